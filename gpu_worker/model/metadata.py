@@ -1,0 +1,42 @@
+"""What one forward step needs to know about the batch: the contract between the
+engine (which builds it) and the model (which reads it).
+
+A step's tokens are laid out prefills first, then decodes:
+
+    input_ids:  [ p0 p0 p0 p0 | p1 p1 | d0 | d1 | d2 ]   T = num_prefill_tokens + num_decodes
+                  prefill 0     pf 1    one token per decoding sequence
+
+A prefill chunk holds the *last* `q_len` tokens of its sequence's context so far
+(chunked prefill, or a prompt whose prefix came from the prefix cache); the KV of
+the earlier tokens is already in the paged cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    # [T] int64: cache slot (block_id * block_size + offset) of every token; -1 = do not write
+    slot_mapping: torch.Tensor
+    num_prefills: int
+    num_prefill_tokens: int
+    # [num_prefills + 1] int32: start of each prefill chunk in the token axis (0, ..., num_prefill_tokens)
+    prefill_query_start_loc: torch.Tensor
+    # [num_prefills] int32: context length of each prefilling sequence after this step
+    prefill_context_lens: torch.Tensor
+    # [num_prefills, max_blocks] int32: block table of each prefilling sequence (padded with 0)
+    prefill_block_tables: torch.Tensor
+    # [num_decodes] int32: context length of each decoding sequence after this step
+    decode_context_lens: torch.Tensor
+    # [num_decodes, max_blocks] int32: block table of each decoding sequence (padded with 0)
+    decode_block_tables: torch.Tensor
+    # [num_seqs] int64: token position whose logits are sampled, one per sequence in batch order
+    logits_indices: torch.Tensor
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_context_lens.shape[0])

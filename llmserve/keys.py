@@ -1,0 +1,70 @@
+"""Redis key names. Everything lives under `llmserve:`.
+
+Keys that one Lua script or MULTI touches share a hash tag, so the same code
+runs on Redis Cluster:
+
+    llmserve:{m:<model>}:work:<priority>     work stream (gateway XADD, batcher group)
+    llmserve:{m:<model>}:inbox:<worker_id>   a worker's inbox stream of batches
+    llmserve:{m:<model>}:workers             hash worker_id -> WorkerHeartbeat bytes
+    llmserve:{m:<model>}:deliveries          hash request uid -> delivery count
+    llmserve:{r:<tenant>:<id>}:events        per-request token-event stream (TTL)
+    llmserve:{r:<tenant>:<id>}:cancel        exists once the request is cancelled
+    llmserve:{r:<tenant>:<id>}:meta          hash: owner, created, state (TTL)
+    llmserve:{t:<tenant>}:rate|tokens|leases per-tenant quota state
+"""
+
+from __future__ import annotations
+
+from llmserve.v1 import inference_pb2
+
+PREFIX = "llmserve"
+WORK_GROUP = "batchers"
+INBOX_GROUP = "workers"
+
+PRIORITY_NAMES = {
+    inference_pb2.PRIORITY_LOW: "low",
+    inference_pb2.PRIORITY_NORMAL: "normal",
+    inference_pb2.PRIORITY_HIGH: "high",
+}
+# Strict order in which the batcher serves the classes.
+PRIORITY_ORDER = (inference_pb2.PRIORITY_HIGH, inference_pb2.PRIORITY_NORMAL, inference_pb2.PRIORITY_LOW)
+
+
+def priority_name(priority: int) -> str:
+    return PRIORITY_NAMES.get(priority, "normal")
+
+
+def work_stream(model: str, priority: int) -> str:
+    return f"{PREFIX}:{{m:{model}}}:work:{priority_name(priority)}"
+
+
+def inbox_stream(model: str, worker_id: str) -> str:
+    return f"{PREFIX}:{{m:{model}}}:inbox:{worker_id}"
+
+
+def workers_hash(model: str) -> str:
+    return f"{PREFIX}:{{m:{model}}}:workers"
+
+
+def deliveries_hash(model: str) -> str:
+    return f"{PREFIX}:{{m:{model}}}:deliveries"
+
+
+def request_uid(tenant: str, request_id: str) -> str:
+    return f"{tenant}:{request_id}"
+
+
+def events_stream(tenant: str, request_id: str) -> str:
+    return f"{PREFIX}:{{r:{request_uid(tenant, request_id)}}}:events"
+
+
+def cancel_key(tenant: str, request_id: str) -> str:
+    return f"{PREFIX}:{{r:{request_uid(tenant, request_id)}}}:cancel"
+
+
+def request_meta(tenant: str, request_id: str) -> str:
+    return f"{PREFIX}:{{r:{request_uid(tenant, request_id)}}}:meta"
+
+
+def tenant_key(tenant: str, what: str) -> str:
+    return f"{PREFIX}:{{t:{tenant}}}:{what}"

@@ -1,0 +1,183 @@
+"""gRPC server bootstrap shared by every service.
+
+`serve()` runs one `Service` behind a grpc.aio server with the health service,
+reflection, the exception interceptor and Prometheus metrics, and stops it
+gracefully:
+
+    SIGTERM/SIGINT ─▶ health NOT_SERVING ─▶ service.drain() ─▶ server.stop(grace)
+                   ─▶ service.close() ─▶ exit 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+import prometheus_client
+import redis.exceptions
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from llmserve.errors import ServiceError
+from llmserve.settings import CommonSettings
+
+logger = structlog.get_logger(__name__)
+
+# Downstream gRPC codes that keep their meaning when passed on to our caller.
+_PASS_THROUGH_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNAUTHENTICATED,
+})
+
+
+class Service(Protocol):
+    """What `serve()` needs from a service."""
+
+    service_names: Sequence[str]  # full names, e.g. "llmserve.v1.Inference"
+
+    def add_to_server(self, server: grpc.aio.Server) -> None: ...
+    async def start(self) -> None: ...   # background work; called before SERVING
+    async def drain(self) -> None: ...   # stop taking new work; in-flight calls go on
+    async def close(self) -> None: ...   # release resources after the server stopped
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
+    """The status a caller gets for an exception that escaped a handler."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message, exc.trailing_metadata()
+    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return grpc.StatusCode.UNAVAILABLE, "redis unavailable", ()
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code() if exc.code() in _PASS_THROUGH_CODES else grpc.StatusCode.UNAVAILABLE
+        return code, f"dependency failed: {exc.details()}", ()
+    if isinstance(exc, asyncio.TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded", ()
+    return grpc.StatusCode.INTERNAL, "internal error", ()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, message, trailing = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("unhandled error", error=repr(exc))
+    else:
+        logger.info("request failed", code=code.name, reason=message)
+    if trailing:
+        context.set_trailing_metadata(trailing)
+    await context.abort(code, message)
+
+
+class ExceptionInterceptor(grpc.aio.ServerInterceptor):
+    """The one choke point that maps exceptions to exact status codes."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+def _wrap_unary(behavior):
+    async def wrapper(request, context):
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the choke point
+            await _abort(context, exc)
+    return wrapper
+
+
+def _wrap_stream(behavior):
+    async def wrapper(request, context):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the choke point
+            await _abort(context, exc)
+    return wrapper
+
+
+def _bind(server: grpc.aio.Server, settings: CommonSettings) -> int:
+    address = f"{settings.host}:{settings.port}"
+    if settings.tls_cert:
+        key = Path(settings.tls_key).read_bytes()
+        cert = Path(settings.tls_cert).read_bytes()
+        return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    return server.add_insecure_port(address)
+
+
+class ServerHandle:
+    """A started server and its health state."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+                 names: Sequence[str], port: int) -> None:
+        self.server = server
+        self.health = health_servicer
+        self.names = names
+        self.port = port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.names):
+            await self.health.set(name, status)
+
+
+async def start_server(service: Service, settings: CommonSettings,
+                       max_message_bytes: int = 4 * 1024 * 1024) -> ServerHandle:
+    """Create, bind and start the server; health stays NOT_SERVING until set."""
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=[ExceptionInterceptor()], options=options)
+    service.add_to_server(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service.service_names)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = _bind(server, settings)
+    await server.start()
+    handle = ServerHandle(server, health_servicer, names, port)
+    await handle.set_serving(False)
+    return handle
+
+
+def _install_stop_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def serve(service: Service, settings: CommonSettings, name: str,
+                max_message_bytes: int = 4 * 1024 * 1024, stop: asyncio.Event | None = None) -> None:
+    """Run `service` until SIGTERM/SIGINT (or `stop`), then stop gracefully."""
+    stop = stop or asyncio.Event()
+    _install_stop_signals(stop)
+    if settings.metrics_port:
+        prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
+    handle = await start_server(service, settings, max_message_bytes)
+    await service.start()
+    await handle.set_serving(True)
+    logger.info("serving", address=f"{settings.host}:{handle.port}", metrics_port=settings.metrics_port)
+    await stop.wait()
+    logger.info("stopping", grace_s=settings.grace_s)
+    await handle.set_serving(False)
+    await service.drain()
+    await handle.server.stop(settings.grace_s)
+    await service.close()
+    logger.info("stopped")

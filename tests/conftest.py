@@ -1,0 +1,37 @@
+"""Shared fixtures: a real Valkey server, the real model file, tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from llmserve import model_store
+from llmserve.valkey import ValkeyServer
+
+
+@pytest.fixture(scope="session")
+def valkey():
+    """One real valkey-server for the whole session; tests flush what they use."""
+    server = ValkeyServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(valkey) -> str:
+    return valkey.url
+
+
+@pytest.fixture
+def clean_redis(valkey):
+    """A sync client on a freshly flushed database."""
+    client = redis.Redis.from_url(valkey.url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real SmolLM2-135M-Instruct GGUF (fetched once into the cache)."""
+    return model_store.fetch()
