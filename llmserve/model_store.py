@@ -79,3 +79,11 @@ def resolve(model: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"model {model!r} is neither a known alias ({', '.join(KNOWN_MODELS)}) nor a path")
     return path
+
+
+def model_id(model: str) -> str:
+    """The public id of a model spec: the alias itself, or the file/directory stem of a path."""
+    if model in KNOWN_MODELS:
+        return model
+    path = Path(model).expanduser()
+    return path.stem if path.is_file() else path.name
