@@ -36,6 +36,7 @@ class ValkeyServer:
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="llmserve-valkey-")
         self.data_dir = Path(data_dir or self._tmp.name)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.appendonly = appendonly
         self.password = password
         self.process: subprocess.Popen | None = None

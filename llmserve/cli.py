@@ -1,0 +1,129 @@
+"""The `llmserve` command: start the stack, call it, fetch the model, load-test it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from llmserve import model_store
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+DEV_API_KEY = "dev-key"  # the key of deploy/tenants.dev.yaml, for local use only
+
+
+def _up(args: argparse.Namespace) -> int:
+    from llmserve.log import configure_logging
+    from llmserve.stack import Stack, StackConfig
+
+    configure_logging("llmserve-up")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(".llmserve") / "logs"
+    config = StackConfig(model=args.model, workers=args.workers, gateways=args.gateways, device=args.device,
+                         port=args.port, tenants=Path(args.tenants), redis_url=os.environ.get("REDIS_URL") or None,
+                         log_dir=log_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting llmserve (model {args.model}, {args.workers} worker(s), device {args.device}); "
+          f"logs in {log_dir}/", flush=True)
+    stack = Stack(config).start()
+    try:
+        print(f"\nllmserve is up: gateway at {stack.gateway_target}  (Redis {stack.redis_url})")
+        print(f'try:  .venv/bin/llmserve generate "What is the capital of France?" --target {stack.gateway_target}')
+        print("Ctrl-C stops everything gracefully.", flush=True)
+        while not stop.wait(1.0):
+            dead = [s.name for s in stack.services.values() if not s.alive()]
+            if dead:
+                print(f"service(s) exited: {', '.join(dead)}; see {log_dir}/", file=sys.stderr)
+                break
+    finally:
+        print("stopping...", flush=True)
+        codes = stack.stop()
+        print("stopped: " + ", ".join(f"{name}={code}" for name, code in codes.items()), flush=True)
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from llmserve.client import Client
+
+    client = Client(args.target, api_key=args.api_key, tls=args.tls, root_cert=args.root_cert)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                  timeout=args.timeout)
+    if args.raw:
+        kwargs["prompt"] = args.prompt
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        kwargs["messages"] = [*messages, {"role": "user", "content": args.prompt}]
+    last = None
+    for chunk in client.generate(**kwargs):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    sys.stdout.write("\n")
+    if last is not None and last.usage is not None and args.verbose:
+        print(f"[{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} completion tokens, "
+              f"ttft {last.usage.ttft_ms:.0f} ms, total {last.usage.total_ms:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    print(model_store.resolve(args.model))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from llmserve.loadgen import main as loadgen_main
+
+    return loadgen_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description="LLM serving over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start Redis (unless REDIS_URL is set) and every service")
+    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.add_argument("--tenants", default=str(Path(__file__).resolve().parent.parent / "deploy" / "tenants.dev.yaml"),
+                    help="tenants YAML file")
+    up.add_argument("--workers", type=int, default=1, help="number of gpu_worker processes")
+    up.add_argument("--gateways", type=int, default=1, help="number of gateway processes")
+    up.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    up.add_argument("--model", default=model_store.DEFAULT_MODEL, help="model path or smollm2-135m")
+    up.add_argument("--log-dir", default="", help="where service logs go (default .llmserve/logs)")
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="stream an answer from the gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=os.environ.get("LLMSERVE_TARGET", DEFAULT_TARGET))
+    gen.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY", DEV_API_KEY))
+    gen.add_argument("--system", default="", help="system prompt")
+    gen.add_argument("--raw", action="store_true", help="send as a plain prompt, without the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    gen.add_argument("--tls", action="store_true")
+    gen.add_argument("--root-cert", default=None)
+    gen.add_argument("-v", "--verbose", action="store_true", help="print usage after the answer")
+    gen.set_defaults(func=_generate)
+
+    fetch = sub.add_parser("fetch-model", help="download the model into the cache and print its path")
+    fetch.add_argument("--model", default=model_store.DEFAULT_MODEL)
+    fetch.set_defaults(func=_fetch_model)
+
+    bench = sub.add_parser("bench", help="run the load generator (see `llmserve bench --help`)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

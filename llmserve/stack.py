@@ -1,0 +1,239 @@
+"""The whole stack as OS processes: Valkey (unless a Redis URL is given), then
+tokenizer_svc, batcher, gpu_worker ×N and gateway ×M, each started as
+`python -m <service>` so an operator can see and signal it.
+
+Used by `llmserve up` and by the end-to-end and fault tests:
+
+    stack = Stack(StackConfig(workers=2)).start()   # returns once every service is SERVING
+    stack.gateway_target                            # "127.0.0.1:50051"
+    stack.kill("gpu_worker-0")                      # kill -9, for fault tests
+    stack.stop()                                    # SIGTERM in dependency order
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve import model_store
+from llmserve.valkey import ValkeyServer, free_port
+
+logger = structlog.get_logger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TENANTS = REPO_ROOT / "deploy" / "tenants.dev.yaml"
+# Order in which services stop: the front door first, so nothing new arrives.
+STOP_ORDER = ("gateway", "batcher", "gpu_worker", "tokenizer_svc")
+
+
+@dataclass
+class StackConfig:
+    model: str = model_store.DEFAULT_MODEL
+    workers: int = 1
+    gateways: int = 1
+    device: str = "auto"
+    port: int = 50051                 # first gateway's port; 0 = a free one
+    tenants: Path = DEFAULT_TENANTS
+    redis_url: str | None = None      # None: start a Valkey server
+    redis_appendonly: bool = False
+    log_dir: Path | None = None       # None: a temp dir
+    host: str = "127.0.0.1"
+    start_timeout_s: float = 300.0
+    # extra flags per service name, e.g. {"batcher": ["--max-wait-ms", "5"]}
+    extra_flags: dict[str, list[str]] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class ServiceProcess:
+    """One `python -m <module>` child with its port and log file."""
+
+    def __init__(self, name: str, module: str, flags: list[str], port: int, log_path: Path,
+                 env: dict[str, str]) -> None:
+        self.name = name
+        self.module = module
+        self.flags = flags
+        self.port = port
+        self.log_path = log_path
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "ServiceProcess":
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen([sys.executable, "-m", self.module, *self.flags], stdout=log,
+                                        stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT)
+        log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_serving(self, deadline: float) -> None:
+        """Block until grpc.health.v1 says SERVING; raise if the process dies or time runs out."""
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if not self.alive():
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log: {self.log_path}\n"
+                                       f"{self.log_tail()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not SERVING in time; log: {self.log_path}\n{self.log_tail()}")
+                time.sleep(0.2)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        """SIGTERM, wait for a graceful exit, SIGKILL when it does not come."""
+        if not self.alive():
+            return self.process.returncode if self.process else None
+        self.signal(signal.SIGTERM)
+        code = self.wait(timeout_s)
+        if code is None:
+            self.process.kill()
+            code = self.process.wait()
+        return code
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+class Stack:
+    """Start, inspect and stop the whole stack."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self._tmp = None if config.log_dir else tempfile.TemporaryDirectory(prefix="llmserve-stack-")
+        self.log_dir = Path(config.log_dir or self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.valkey: ValkeyServer | None = None
+        self.redis_url = config.redis_url or ""
+        self.services: dict[str, ServiceProcess] = {}
+        self.model_path = model_store.resolve(config.model)
+        self.model_id = model_store.model_id(config.model)
+        self._worker_seq = 0
+        self._gateway_seq = 0
+
+    # -- targets ---------------------------------------------------------------------------------------
+    @property
+    def gateway_targets(self) -> list[str]:
+        return [s.target for n, s in self.services.items() if n.startswith("gateway-")]
+
+    @property
+    def gateway_target(self) -> str:
+        return self.gateway_targets[0]
+
+    @property
+    def tokenizer_target(self) -> str:
+        return self.services["tokenizer_svc"].target
+
+    def named(self, prefix: str) -> list[ServiceProcess]:
+        return [s for n, s in self.services.items() if n.startswith(prefix)]
+
+    # -- start -----------------------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_") or k == "LLMSERVE_CACHE_DIR"}
+        env.pop("REDIS_URL", None)
+        env.update(self.config.extra_env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    def _service(self, name: str, module: str, flags: list[str], port: int = 0) -> ServiceProcess:
+        port = port or free_port()
+        common = ["--host", self.config.host, "--port", str(port), "--redis-url", self.redis_url]
+        extra = self.config.extra_flags.get(module, [])
+        proc = ServiceProcess(name, module, [*common, *flags, *extra], port, self.log_dir / f"{name}.log", self._env())
+        self.services[name] = proc
+        return proc.start()
+
+    def start_tokenizer(self) -> ServiceProcess:
+        return self._service("tokenizer_svc", "tokenizer_svc", ["--models", str(self.config.model)])
+
+    def start_batcher(self, name: str = "batcher") -> ServiceProcess:
+        return self._service(name, "batcher", ["--models", self.model_id])
+
+    def start_worker(self) -> ServiceProcess:
+        name = f"gpu_worker-{self._worker_seq}"
+        self._worker_seq += 1
+        flags = ["--model", str(self.config.model), "--device", self.config.device, "--worker-id", name]
+        return self._service(name, "gpu_worker", flags)
+
+    def start_gateway(self, port: int = 0) -> ServiceProcess:
+        name = f"gateway-{self._gateway_seq}"
+        self._gateway_seq += 1
+        flags = ["--tenants", str(self.config.tenants), "--tokenizer-target", self.tokenizer_target,
+                 "--models", str(self.config.model)]
+        return self._service(name, "gateway", flags, port)
+
+    def start(self) -> "Stack":
+        """Start everything and return once every service reports SERVING."""
+        deadline = time.monotonic() + self.config.start_timeout_s
+        try:
+            if not self.redis_url:
+                data_dir = self.log_dir / "valkey" if self.config.redis_appendonly else None
+                self.valkey = ValkeyServer(appendonly=self.config.redis_appendonly, data_dir=data_dir).start()
+                self.redis_url = self.valkey.url
+            tokenizer = self.start_tokenizer()
+            batcher = self.start_batcher()
+            workers = [self.start_worker() for _ in range(self.config.workers)]
+            for proc in (tokenizer, batcher, *workers):
+                proc.wait_serving(deadline)
+            for i in range(self.config.gateways):
+                self.start_gateway(self.config.port if i == 0 else 0).wait_serving(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    # -- faults and stop -------------------------------------------------------------------------------
+    def kill(self, name: str) -> None:
+        """kill -9 one service."""
+        proc = self.services[name]
+        if proc.alive():
+            proc.process.kill()
+            proc.process.wait()
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop every service gracefully (front door first), then Valkey. Returns exit codes."""
+        codes: dict[str, int | None] = {}
+        for prefix in STOP_ORDER:
+            for proc in self.named(prefix):
+                codes[proc.name] = proc.stop()
+        if self.valkey:
+            self.valkey.close()
+            self.valkey = None
+        return codes
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp:
+            self._tmp.cleanup()

@@ -1,0 +1,24 @@
+"""Generated protobuf code is committed; regenerating it must give no difference."""
+
+from pathlib import Path
+
+from llmserve import protogen
+from llmserve.v1 import inference_pb2
+
+
+def test_regeneration_gives_no_diff(tmp_path: Path):
+    protogen.generate(tmp_path)
+    committed = protogen.REPO_ROOT / "llmserve" / "v1"
+    generated = sorted((tmp_path / "llmserve" / "v1").glob("*_pb2*.py*"))
+    assert generated, "protoc produced nothing"
+    for path in generated:
+        assert path.read_text() == (committed / path.name).read_text(), f"{path.name} is stale: make protos"
+
+
+def test_public_contract_names():
+    service = inference_pb2.DESCRIPTOR.services_by_name["Inference"]
+    assert [m.name for m in service.methods] == ["Generate", "Complete", "Cancel", "Tokenize", "ListModels"]
+    assert inference_pb2.FinishReason.Name(3) == "FINISH_REASON_CANCELLED"
+    assert inference_pb2.Priority.Name(0) == "PRIORITY_UNSPECIFIED"
+    fields = inference_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+    assert set(fields) == {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "repetition_penalty"}

@@ -1,0 +1,86 @@
+import time
+
+import grpc
+import pytest
+import redis.exceptions
+
+from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.retry import is_retryable, retrying, retrying_sync
+
+
+class StatusError(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+
+def test_retryable_classification():
+    assert is_retryable(StatusError(grpc.StatusCode.UNAVAILABLE))
+    assert not is_retryable(StatusError(grpc.StatusCode.INVALID_ARGUMENT))
+    assert not is_retryable(StatusError(grpc.StatusCode.DEADLINE_EXCEEDED))
+    assert is_retryable(redis.exceptions.ConnectionError("down"))
+    assert is_retryable(Unavailable("overloaded"))
+    assert not is_retryable(InvalidArgument("prompt", "empty"))
+
+
+def _sleeps_of(policy, failures):
+    sleeps = []
+    policy.sleep = sleeps.append  # record instead of sleeping
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] <= failures:
+            raise Unavailable("down")
+        return "ok"
+
+    return policy(flaky), sleeps
+
+
+def test_backoff_is_jittered_and_bounded_by_exponential_cap():
+    result, sleeps = _sleeps_of(retrying_sync(max_attempts=10, initial_s=0.1, max_backoff_s=100), 6)
+    assert result == "ok"
+    assert len(sleeps) == 6
+    for n, s in enumerate(sleeps, start=1):
+        assert 0 <= s <= 0.1 * 2 ** n  # full jitter: uniform in [0, cap]
+    _, again = _sleeps_of(retrying_sync(max_attempts=10, initial_s=0.1, max_backoff_s=100), 6)
+    assert again != sleeps  # random, not a fixed schedule
+
+
+def test_non_retryable_error_is_raised_at_once():
+    policy = retrying_sync(max_attempts=5)
+    calls = []
+
+    def bad():
+        calls.append(1)
+        raise InvalidArgument("prompt", "empty")
+
+    with pytest.raises(InvalidArgument):
+        policy(bad)
+    assert len(calls) == 1
+
+
+def test_stops_at_the_deadline():
+    deadline = time.monotonic() + 0.3
+    calls = []
+
+    def always_down():
+        calls.append(time.monotonic())
+        raise Unavailable("down")
+
+    with pytest.raises(Unavailable):
+        retrying_sync(deadline=deadline, max_attempts=1000, initial_s=0.02, max_backoff_s=0.05)(always_down)
+    assert calls[-1] <= deadline  # never an attempt after the deadline
+    assert len(calls) >= 2
+
+
+async def test_async_policy_retries_then_succeeds():
+    calls = []
+    async for attempt in retrying(deadline=time.monotonic() + 5, initial_s=0.001):
+        with attempt:
+            calls.append(1)
+            if len(calls) < 3:
+                raise redis.exceptions.ConnectionError("down")
+    assert len(calls) == 3
