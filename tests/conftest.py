@@ -35,3 +35,22 @@ def clean_redis(valkey):
 def smollm2_path():
     """The real SmolLM2-135M-Instruct GGUF (fetched once into the cache)."""
     return model_store.fetch()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """The whole stack on the real model, shared by every end-to-end test of the session."""
+    from llmserve.stack import Stack, StackConfig
+
+    config = StackConfig(workers=1, device="cpu", port=0, log_dir=tmp_path_factory.mktemp("stack"))
+    running = Stack(config).start()
+    yield running
+    running.close()
+
+
+DEV_API_KEY = "dev-key"
+
+
+@pytest.fixture(scope="session")
+def auth_metadata():
+    return (("authorization", f"Bearer {DEV_API_KEY}"),)
