@@ -1,0 +1,1 @@
+"""The inference engine: paged KV block manager, continuous-batching scheduler, sampler."""

@@ -1,0 +1,121 @@
+"""A sequence being generated: its tokens, sampling parameters and lifecycle.
+
+Token layout of a sequence (context = prompt + output):
+
+    token_ids:  [ prompt ............ | output ...... ]
+                  <-- num_computed_tokens -->|          KV of these sits in the paged cache
+                                             ^ the next forward computes from here
+
+A handed-off request arrives with output already produced elsewhere: those tokens
+are context like the prompt, and `index_offset` makes event indices continue.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from llmserve.v1 import inference_pb2
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+# Finish reasons reuse the public enum so events need no translation.
+FINISH_STOP = inference_pb2.FINISH_REASON_STOP
+FINISH_LENGTH = inference_pb2.FINISH_REASON_LENGTH
+FINISH_CANCELLED = inference_pb2.FINISH_REASON_CANCELLED
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, every default already resolved."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 = off
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False       # benchmarks: run to max_new_tokens
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine.
+
+    Args:
+        prompt_token_ids: the prompt.
+        params: sampling parameters.
+        prior_output_ids: tokens already generated (handoff); they count toward max_new_tokens.
+        request_id: caller's id, carried through for events.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prior_output_ids: list[int] = field(default_factory=list)
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0   # prompt tokens served from the prefix cache at first admission
+    admitted: bool = False
+    finish_reason: int = 0              # FinishReason; 0 = not finished
+    error_code: str = ""                # gRPC status name when the sequence failed
+
+    def __post_init__(self) -> None:
+        self.token_ids: list[int] = [*self.prompt_token_ids, *self.prior_output_ids]
+
+    # --- sizes -----------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens of the completion so far, including those produced before a handoff."""
+        return len(self.prior_output_ids) + len(self.output_token_ids)
+
+    @property
+    def index_offset(self) -> int:
+        """Completion index of output_token_ids[0]."""
+        return len(self.prior_output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    # --- transitions -------------------------------------------------------------------------
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: int, error_code: str = "") -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error_code = error_code
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: KV is dropped, every token (prompt and output) is recomputed later."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0

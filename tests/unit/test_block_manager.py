@@ -1,0 +1,179 @@
+"""Block manager: exact block ids for allocate, append, fork/share, free, prefix hits, eviction."""
+
+from __future__ import annotations
+
+from gpu_worker.engine.block_manager import BlockManager
+from gpu_worker.engine.prefix_hash import block_hashes, chain_hash
+from gpu_worker.engine.sequence import SamplingParams, Sequence
+
+BS = 4
+
+
+def make_seq(tokens: list[int]) -> Sequence:
+    return Sequence(list(tokens), SamplingParams(temperature=0.0))
+
+
+def make_manager(num_blocks: int = 8, caching: bool = True) -> BlockManager:
+    return BlockManager(num_blocks, BS, enable_prefix_caching=caching)
+
+
+def computed(manager: BlockManager, seq: Sequence) -> None:
+    """Pretend a forward computed every token of seq."""
+    seq.num_computed_tokens = seq.num_tokens
+    manager.cache_computed_blocks(seq)
+
+
+def test_allocate_takes_blocks_in_free_list_order():
+    m = make_manager()
+    a, b = make_seq(range(10)), make_seq(range(100, 105))
+    assert m.allocate(a).block_ids == [0, 1, 2]
+    assert m.allocate(b).block_ids == [3, 4]
+    assert m.num_free_blocks == 3
+
+
+def test_can_allocate_refuses_when_short():
+    m = make_manager(num_blocks=2)
+    assert not m.can_allocate(make_seq(range(9)))
+    assert m.can_allocate(make_seq(range(8)))
+
+
+def test_append_slot_adds_block_only_at_boundary():
+    m = make_manager()
+    seq = make_seq(range(4))
+    m.allocate(seq)
+    computed(m, seq)
+    seq.append_token(50)                  # position 4 → needs block 2 of the table
+    result = m.append_slot(seq)
+    assert result.new_block_ids == [1]
+    seq.num_computed_tokens = 5
+    seq.append_token(51)
+    assert m.append_slot(seq).new_block_ids == []
+    assert m.block_table(seq) == [0, 1]
+
+
+def test_can_append_false_when_no_block_left():
+    m = make_manager(num_blocks=1)
+    seq = make_seq(range(4))
+    m.allocate(seq)
+    computed(m, seq)
+    seq.append_token(9)
+    assert not m.can_append(seq)
+
+
+def test_free_returns_uncached_blocks_to_free_list_tail():
+    m = make_manager(num_blocks=4, caching=False)
+    a = make_seq(range(6))
+    m.allocate(a)                          # [0, 1]
+    m.free(a)
+    b = make_seq(range(16))
+    assert m.allocate(b).block_ids == [2, 3, 1, 0]   # free list: 2 3 then freed tail-first 1 0
+
+
+def test_prefix_hit_shares_full_blocks_and_counts_tokens():
+    m = make_manager()
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    m.allocate(a)                          # [0, 1, 2]
+    computed(m, a)
+    b = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 42, 43])
+    alloc = m.allocate(b)
+    assert alloc.block_ids == [0, 1, 3]
+    assert alloc.num_cached_tokens == 8
+    assert [m.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    assert m.stats.queried_tokens == 19 and m.stats.hit_tokens == 8
+
+
+def test_prefix_hit_leaves_last_token_to_compute():
+    m = make_manager()
+    a = make_seq(range(8))
+    m.allocate(a)
+    computed(m, a)
+    b = make_seq(range(8))                 # identical, block aligned
+    alloc = m.allocate(b)
+    assert alloc.num_cached_tokens == 4    # block 1 is recomputed so the step has a token to sample from
+    assert alloc.block_ids == [0, 2]
+
+
+def test_blocks_not_computed_are_not_hits():
+    m = make_manager()
+    a = make_seq(range(9))
+    m.allocate(a)                          # nothing computed yet
+    assert m.allocate(make_seq(range(9))).num_cached_tokens == 0
+
+
+def test_freed_cached_blocks_revive_and_evict_lru_tail_first():
+    m = make_manager(num_blocks=4)
+    a = make_seq(range(12))                # 3 full blocks [0, 1, 2]
+    m.allocate(a)
+    computed(m, a)
+    m.free(a)                              # evictable LRU: 2, 1, 0 (tail first)
+    assert m.num_free_blocks == 4
+    b = make_seq(range(200, 212))          # needs 3 blocks: free 3, then evicts 2, then 1
+    assert m.allocate(b).block_ids == [3, 2, 1]
+    c = make_seq([0, 1, 2, 3, 99])         # block 0 still cached: a hit
+    assert m.can_allocate(c) is False      # needs the hit + 1 fresh, only block 0 left
+    m.free(b)                              # uncomputed: back to the free list tail-first: 1, 2, 3
+    assert m.allocate(c).block_ids == [0, 1]
+    assert m.allocate(make_seq([7])).block_ids == [2]
+
+
+def test_eviction_drops_hash_so_stale_block_is_not_hit():
+    m = make_manager(num_blocks=2)
+    a = make_seq(range(5))
+    m.allocate(a)
+    computed(m, a)
+    m.free(a)                              # block 0 cached+evictable, block 1 free
+    m.allocate(make_seq(range(100, 108)))  # takes 1, then evicts 0
+    assert m.cached_hashes(10) == []
+
+
+def test_fork_shares_and_copy_on_write_on_partial_block():
+    m = make_manager()
+    parent = make_seq(range(6))            # blocks [0, 1], block 1 half full
+    m.allocate(parent)
+    computed(m, parent)
+    child = make_seq(range(6))
+    m.fork(parent, child)
+    assert m.block_table(child) == [0, 1]
+    assert m.blocks[1].ref_count == 2
+    child.append_token(77)
+    result = m.append_slot(child)
+    assert result.copy_on_write == (1, 2)
+    assert m.block_table(child) == [0, 2]
+    assert m.block_table(parent) == [0, 1]
+    assert [m.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
+
+
+def test_preemption_free_then_reallocate_hits_own_blocks():
+    m = make_manager(num_blocks=4)
+    seq = make_seq(range(10))
+    m.allocate(seq)                        # [0, 1, 2]
+    computed(m, seq)
+    m.free(seq)
+    seq.reset_for_recompute()
+    alloc = m.allocate(seq)
+    assert alloc.block_ids == [0, 1, 3]    # two full blocks reused, block 2 (partial) was never cached
+    assert alloc.num_cached_tokens == 8
+
+
+def test_cached_hashes_newest_first_and_match_chain():
+    m = make_manager()
+    seq = make_seq(range(8))
+    m.allocate(seq)
+    computed(m, seq)
+    h = block_hashes(list(range(8)), BS)
+    assert h == [chain_hash(0, [0, 1, 2, 3]), chain_hash(h[0], [4, 5, 6, 7])]
+    assert m.cached_hashes(10) == [h[1], h[0]]
+    assert m.cached_hashes(1) == [h[1]]
+
+
+def test_duplicate_computation_keeps_first_block_registered():
+    m = make_manager()
+    a, b = make_seq(range(5)), make_seq(range(5))
+    m.allocate(a)
+    m.allocate(b)                          # both miss: [0, 1] and [2, 3]
+    computed(m, a)
+    computed(m, b)
+    m.free(b)
+    assert m.num_free_blocks == 6
+    assert m.blocks[2].block_hash is None  # b's copy is plain free, a's block 0 is the cached one
+    assert m.allocate(make_seq([0, 1, 2, 3, 9])).block_ids == [0, 4]
