@@ -1,0 +1,214 @@
+"""Load a model's tokenizer: from a GGUF file's metadata or a Hugging Face directory.
+
+    load_tokenizer(Path("SmolLM2-135M-Instruct.Q4_1.gguf"))   # tokenizer.ggml.* + chat template
+    load_tokenizer(Path("some-hf-model/"))                    # tokenizer.json + tokenizer_config.json + config.json
+
+Both give a `ModelTokenizer`: exact token ids (the same as the model's own
+tokenizer.json under `tokenizers`/`transformers`), the chat template, EOS ids and
+the context length. A ModelTokenizer pickles as its JSON, so the service loads a
+model once and ships it to its pool processes cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from tokenizer_svc import chat_template
+from tokenizer_svc.gguf_vocab import build_tokenizer, read_vocab
+
+DEFAULT_CONTEXT_LENGTH = 2048
+
+
+@dataclass
+class ModelTokenizer:
+    """One model's tokenizer, chat template and limits."""
+
+    tokenizer: Tokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    context_length: int = DEFAULT_CONTEXT_LENGTH
+    extra_special_tokens: dict[str, str] = field(default_factory=dict)  # unk_token, pad_token ... for templates
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised (as in HF)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation (raises ChatTemplateError)."""
+        if not self.chat_template:
+            raise chat_template.ChatTemplateError("model has no chat template")
+        return chat_template.render(self.chat_template, messages, add_generation_prompt, self._template_vars())
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation: the rendered template, encoded without adding special tokens
+        (the template writes them), as `apply_chat_template(tokenize=True)` does."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizers JSON (Tokenizer.from_str rebuilds it, e.g. at the gateway for detokenizing)."""
+        return self.tokenizer.to_str()
+
+    def _template_vars(self) -> dict[str, str]:
+        return {**self.extra_special_tokens, "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+
+    def __reduce__(self):
+        state = {k: v for k, v in self.__dict__.items() if k != "tokenizer"}
+        return (_rebuild, (self.to_json(), state))
+
+
+def _rebuild(tokenizer_json: str, state: dict[str, Any]) -> ModelTokenizer:
+    return ModelTokenizer(tokenizer=Tokenizer.from_str(tokenizer_json), **state)
+
+
+def load_tokenizer(path: Path) -> ModelTokenizer:
+    """The tokenizer of a GGUF file or of a Hugging Face model directory.
+
+    Raises:
+        FileNotFoundError: no such file, or a directory without tokenizer.json.
+        gguf_vocab.UnsupportedTokenizer: a GGUF vocabulary that cannot be reproduced exactly.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return load_hf_dir(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    return load_gguf(path)
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+def gguf_fields(path: Path) -> dict[str, Any]:
+    """The GGUF key/value metadata as python values (tensors are not read)."""
+    from gguf import GGUFReader  # heavy import; only GGUF loading needs it
+
+    reader = GGUFReader(path)
+    return {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def load_gguf(path: Path) -> ModelTokenizer:
+    fields = gguf_fields(path)
+    vocab = read_vocab(fields)
+    tokens = vocab.tokens
+    eos_ids = _gguf_eos_ids(fields)
+    arch = fields.get("general.architecture", "llama")
+    return ModelTokenizer(
+        tokenizer=build_tokenizer(vocab),
+        chat_template=fields.get("tokenizer.chat_template"),
+        bos_token=tokens[vocab.bos_id] if vocab.bos_id is not None else None,
+        eos_token=tokens[eos_ids[0]] if eos_ids else None,
+        eos_token_ids=eos_ids,
+        context_length=int(fields.get(f"{arch}.context_length", DEFAULT_CONTEXT_LENGTH)),
+        extra_special_tokens=_gguf_named_tokens(fields, tokens),
+    )
+
+
+def _gguf_eos_ids(fields: dict[str, Any]) -> list[int]:
+    """EOS, then end-of-turn / end-of-message ids when the GGUF names them (llama.cpp stops on all)."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = fields.get(key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def _gguf_named_tokens(fields: dict[str, Any], tokens: list[str]) -> dict[str, str]:
+    named = {}
+    for name, key in _GGUF_NAMED_TOKENS.items():
+        value = fields.get(key)
+        if value is not None and 0 <= int(value) < len(tokens):
+            named[name] = tokens[int(value)]
+    return named
+
+
+_GGUF_NAMED_TOKENS = {
+    "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id",
+    "sep_token": "tokenizer.ggml.seperator_token_id", "cls_token": "tokenizer.ggml.cls_token_id",
+    "mask_token": "tokenizer.ggml.mask_token_id",
+}
+
+
+# ------------------------------------------------------------------------------------ HF directory
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes a token as "text" or {"content": "text", ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _hf_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(directory / "chat_template.json").get("chat_template") or config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        by_name = {t["name"]: t["template"] for t in template}
+        return by_name.get("default") or next(iter(by_name.values()), None)
+    return template
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _hf_eos_ids(tokenizer: Tokenizer, eos_token: str | None, *configs: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
+        ids.append(tokenizer.token_to_id(eos_token))
+    for config in configs:
+        ids += [i for i in _as_id_list(config.get("eos_token_id")) if i not in ids]
+    return ids
+
+
+def _hf_context_length(model_config: dict[str, Any], tok_config: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if model_config.get(key):
+            return int(model_config[key])
+    model_max = tok_config.get("model_max_length")
+    return int(model_max) if model_max and model_max < 10**8 else DEFAULT_CONTEXT_LENGTH
+
+
+def load_hf_dir(directory: Path) -> ModelTokenizer:
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise FileNotFoundError(f"{directory} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tok_config = _read_json(directory / "tokenizer_config.json")
+    model_config = _read_json(directory / "config.json")
+    generation = _read_json(directory / "generation_config.json")
+    eos_token = _token_content(tok_config.get("eos_token"))
+    extra = {name: _token_content(tok_config[name]) for name in ("unk_token", "pad_token", "sep_token",
+                                                                 "cls_token", "mask_token") if tok_config.get(name)}
+    return ModelTokenizer(
+        tokenizer=tokenizer,
+        chat_template=_hf_chat_template(directory, tok_config),
+        bos_token=_token_content(tok_config.get("bos_token")),
+        eos_token=eos_token,
+        eos_token_ids=_hf_eos_ids(tokenizer, eos_token, generation, model_config),
+        context_length=_hf_context_length(model_config, tok_config),
+        extra_special_tokens=extra,
+    )
