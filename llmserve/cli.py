@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # argparse's REMAINDER rejects options right after the subcommand; hand them over untouched.
+        return _bench(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 
