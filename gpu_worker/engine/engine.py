@@ -1,0 +1,172 @@
+"""The engine: one `step()` = schedule, one batched forward, sample, update.
+
+Not thread-safe: the worker service calls `add`, `abort` and `step` from one place in turn
+(step runs in an executor thread while the event loop only does I/O).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker.engine.block_manager import BlockManager
+from gpu_worker.engine.metadata_builder import build_model_input
+from gpu_worker.engine.sampler import Sampler
+from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence
+from gpu_worker.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class StepOutput:
+    """What one step did to one sequence."""
+
+    seq: Sequence
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens_computed: int = 0
+    last_step_s: float = 0.0
+    last_batch_tokens: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching generation over a paged KV cache.
+
+    Args:
+        model: forward(input_ids [T], positions [T], meta, kv_cache) -> logits [num_seqs, vocab].
+        kv_cache: the paged cache the model reads and writes.
+        config: cache geometry and batch limits.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig) -> None:
+        assert kv_cache.num_blocks == config.num_blocks and kv_cache.block_size == config.block_size
+        self.model = model
+        self.kv_cache = kv_cache
+        self.config = config
+        self.device = kv_cache.k_caches[0].device
+        self.context_length: int = model.config.context_length
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.block_manager)
+        self.sampler = Sampler()
+        self.counters = EngineCounters()
+
+    @classmethod
+    def create(cls, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype | None = None) -> "LLMEngine":
+        """Allocate the KV cache for `model` and build the engine."""
+        param = next(model.parameters())
+        cache = KVCache.allocate(model.config, config.num_blocks, config.block_size,
+                                 dtype or param.dtype, param.device)
+        return cls(model, cache, config)
+
+    # --- requests --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> StepOutput | None:
+        """Queue `seq`; returns a finished output at once if there is nothing to generate."""
+        if seq.num_generated >= seq.params.max_new_tokens or seq.num_tokens >= self.context_length:
+            seq.finish(FINISH_LENGTH)
+            return StepOutput(seq, finished=True)
+        self.scheduler.add(seq)
+        return None
+
+    def abort(self, seq: Sequence, reason: int, error_code: str = "") -> None:
+        """Stop `seq` now (cancel, deadline, drain) and free its blocks."""
+        if not seq.is_finished:
+            seq.finish(reason, error_code)
+        self.scheduler.finish(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return list(self.scheduler.waiting)
+
+    # --- the step --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one batched forward for every scheduled sequence; outputs of sequences that changed."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        outputs = [self._out_of_memory(seq) for seq in plan.out_of_memory]
+        if plan.is_empty:
+            return outputs
+        logits = self._forward(plan)                                  # [num_seqs, vocab]
+        outputs += self._advance(plan, logits)
+        self.counters.steps += 1
+        self.counters.last_batch_tokens = plan.num_tokens
+        self.counters.last_step_s = time.perf_counter() - start
+        return outputs
+
+    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
+        for src, dst in plan.copy_on_write:
+            for cache in (*self.kv_cache.k_caches, *self.kv_cache.v_caches):
+                cache[dst].copy_(cache[src])
+        inp = build_model_input(plan.scheduled, self.block_manager, self.device)
+        plan.scheduled = inp.batch                                    # rows of the logits
+        return self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
+
+    def _advance(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        to_sample: list[tuple[int, Sequence]] = []
+        for row, item in enumerate(plan.scheduled):
+            done = item.completes_context
+            item.seq.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_computed_blocks(item.seq)
+            if done:
+                to_sample.append((row, item.seq))
+            else:
+                self.counters.prompt_tokens_computed += item.num_tokens
+        if not to_sample:
+            return []
+        rows = torch.tensor([r for r, _ in to_sample], device=logits.device)
+        tokens = self.sampler(logits.index_select(0, rows), [s for _, s in to_sample])
+        return [self._accept(seq, token) for (_, seq), token in zip(to_sample, tokens)]
+
+    def _accept(self, seq: Sequence, token: int) -> StepOutput:
+        """Append a sampled token and apply the stop rules (a stop token itself is not emitted)."""
+        params = seq.params
+        if token in params.stop_token_ids and not params.ignore_eos:
+            self._finish(seq, FINISH_STOP)
+            return StepOutput(seq, [], finished=True)
+        seq.append_token(token)
+        self.counters.generated_tokens += 1
+        if seq.num_generated >= params.max_new_tokens or seq.num_tokens >= self.context_length:
+            self._finish(seq, FINISH_LENGTH)
+        return StepOutput(seq, [token], finished=seq.is_finished)
+
+    def _finish(self, seq: Sequence, reason: int, error_code: str = "") -> None:
+        seq.finish(reason, error_code)
+        self.scheduler.finish(seq)
+
+    def _out_of_memory(self, seq: Sequence) -> StepOutput:
+        seq.finish(0, "RESOURCE_EXHAUSTED")
+        return StepOutput(seq, [], finished=True)
+
+    # --- offline use -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; the generated token ids of each."""
+        seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+        for seq in seqs:
+            self.add(seq)
+        while self.has_work():
+            self.step()
+        return [seq.output_token_ids for seq in seqs]

@@ -1,0 +1,84 @@
+"""Turns a scheduler plan into the tensors of one forward: input ids, positions and
+AttentionMetadata (gpu_worker/model/metadata.py), prefills first, then decodes.
+
+    scheduled (prefills: q_len > 1, decodes: q_len == 1)
+      seq A computed 0, q 5     seq B computed 9, q 1     seq C computed 3, q 1
+    input_ids   [A0 A1 A2 A3 A4 | B9 | C3]
+    positions   [ 0  1  2  3  4 |  9 |  3]
+    logits_idx  [4, 5, 6]                  last token of each sequence, batch order
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.engine.block_manager import BlockManager
+from gpu_worker.engine.scheduler import ScheduledSeq
+from gpu_worker.model.metadata import AttentionMetadata
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    meta: AttentionMetadata
+    batch: list[ScheduledSeq]    # batch order (the rows of the logits)
+
+
+def order_batch(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """Prefill chunks first, then single-token decodes (stable within each group)."""
+    return [s for s in scheduled if s.num_tokens > 1] + [s for s in scheduled if s.num_tokens == 1]
+
+
+def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[len(tables), max_blocks] int32, padded with 0."""
+    width = max((len(t) for t in tables), default=0)
+    rows = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+def build_model_input(scheduled: list[ScheduledSeq], blocks: BlockManager,
+                      device: torch.device) -> ModelInput:
+    """Everything the model's forward needs for this step's batch."""
+    batch = order_batch(scheduled)
+    bs = blocks.block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    for item in batch:
+        start, end = item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_tokens
+        table = blocks.block_table(item.seq)
+        ids += item.seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        logits_indices.append(len(ids) - 1)
+    prefills = [s for s in batch if s.num_tokens > 1]
+    decodes = batch[len(prefills):]
+    query_start = [0]
+    for item in prefills:
+        query_start.append(query_start[-1] + item.num_tokens)
+
+    def ctx_lens(items: list[ScheduledSeq]) -> torch.Tensor:
+        lens = [s.seq.num_computed_tokens + s.num_tokens for s in items]
+        return torch.tensor(lens, dtype=torch.int32, device=device)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_prefills=len(prefills),
+        num_prefill_tokens=query_start[-1],
+        prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+        prefill_context_lens=ctx_lens(prefills),
+        prefill_block_tables=_padded([blocks.block_table(s.seq) for s in prefills], device),
+        decode_context_lens=ctx_lens(decodes),
+        decode_block_tables=_padded([blocks.block_table(s.seq) for s in decodes], device),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+    )
+    return ModelInput(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=meta,
+        batch=batch,
+    )
