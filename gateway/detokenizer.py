@@ -1,0 +1,59 @@
+"""Incremental detokenization: text for each new batch of token ids, never
+splitting a multi-byte UTF-8 character.
+
+Byte-level BPE tokens can end in the middle of a character (an emoji is often
+2-4 tokens). Decoding a token alone would give U+FFFD, so we decode a short
+window and emit only the part that grew and does not end in U+FFFD:
+
+    ids:   ... | prefix_offset ......... read_offset ........ len(ids)
+                 └── prefix_text ──────┘
+                 └── full_text ──────────────────────────────────┘
+    emit full_text[len(prefix_text):] once it is complete, then slide the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Feed token ids as they come; get back the text that is now complete."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special)
+
+    def feed(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; the newly complete text (may be "")."""
+        self.ids.extend(int(t) for t in token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT):
+            return ""
+        if not full_text.startswith(prefix_text):
+            # A decoder rewrote earlier text; emit nothing rather than something inconsistent.
+            return ""
+        new = full_text[len(prefix_text):]
+        self._slide()
+        return new
+
+    def _slide(self) -> None:
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (a trailing partial character decodes as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset:])
+        self._slide()
+        return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""

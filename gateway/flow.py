@@ -1,0 +1,293 @@
+"""One Generate/Complete request, from admission to the last chunk.
+
+    new request:  model check → validate → tokenize → resolve sampling → shed check
+                  → quota admit (one Lua call) → claim request meta → XADD WorkItem
+    both:         XREAD BLOCK the events stream → OutputBuilder → chunks
+    resume:       request meta of the same tenant exists → attach from 0 / x-resume-from
+
+Exit paths (every one gives the lease back):
+
+    final event / stop string    release + refund unused tokens (stop: set cancel key)
+    deadline / max queue wait    set cancel key at once, release
+    client gone                  after detach_grace_s with no resumed viewer: cancel, release
+    gateway killed               nothing runs; the lease expires (TTL), the worker finishes
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import structlog
+
+from llmserve import keys
+from llmserve.errors import (DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+                             Unavailable)
+from llmserve.v1 import inference_pb2 as pb
+from llmserve.v1 import queue_pb2
+
+from gateway import metrics
+from gateway.config import GatewaySettings
+from gateway.models import ModelCatalog, ModelInfo
+from gateway.output import OutputBuilder
+from gateway.quota import Limits, Quota
+from gateway.shedding import Shedder
+from gateway.tenants import Tenant
+from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
+from gateway.watch import Watch
+
+logger = structlog.get_logger(__name__)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def limits_of(tenant: Tenant) -> Limits:
+    return Limits(tenant.id, tenant.requests_per_second, tenant.burst, tenant.tokens_per_minute,
+                  tenant.max_concurrent)
+
+
+@dataclass
+class Call:
+    """Per-call state the handler shares with the flow."""
+
+    tenant: Tenant
+    request_id: str
+    deadline: float | None                    # monotonic, from the client's deadline
+    resume_from: int = 0
+    headers: list[tuple[str, str]] = field(default_factory=list)  # ratelimit headers for initial metadata
+
+
+@dataclass
+class Meta:
+    """The request meta hash: who owns the request and what a resumer needs."""
+
+    owner: str
+    model: str
+    prompt_tokens: int
+    cost: int
+    stops: list[str]
+    arrival_ms: int
+    enqueued_ms: int
+
+    def to_redis(self) -> dict[str, str]:
+        return {"owner": self.owner, "model": self.model, "prompt_tokens": str(self.prompt_tokens),
+                "cost": str(self.cost), "stops": json.dumps(self.stops), "arrival_ms": str(self.arrival_ms),
+                "enqueued_ms": str(self.enqueued_ms)}
+
+    @classmethod
+    def from_redis(cls, raw: dict) -> "Meta":
+        d = {k.decode(): v.decode() for k, v in raw.items()}
+        return cls(d["owner"], d["model"], int(d["prompt_tokens"]), int(d["cost"]), json.loads(d["stops"]),
+                   int(d["arrival_ms"]), int(d["enqueued_ms"]))
+
+
+class Flow:
+    """Runs requests; owns no per-request state (that lives in `Call` and locals)."""
+
+    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, blocking: aioredis.Redis,
+                 catalog: ModelCatalog, quota: Quota) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.blocking = blocking
+        self.catalog = catalog
+        self.quota = quota
+        self.shedder = Shedder(redis, settings.queue_max_depth, settings.high_reserved_share)
+        self.limits = RequestLimits(settings.max_prompt_bytes, settings.max_messages, settings.max_stop_strings,
+                                    settings.max_stop_chars, settings.max_request_id_chars,
+                                    settings.default_max_new_tokens)
+        self._background: set[asyncio.Task] = set()
+
+    # -- entry ---------------------------------------------------------------------------------------------
+    async def generate(self, call: Call, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        check_request_id(request.request_id, self.limits)
+        meta = await self._meta(call) if request.request_id else None
+        if meta is None:
+            meta = await self._submit(call, request)
+            if meta is None:  # lost a race with a concurrent identical request_id: attach to it
+                meta = await self._meta(call)
+        else:
+            rem_req, rem_tok = await self.quota.peek(limits_of(call.tenant))
+            call.headers = [("x-ratelimit-remaining-requests", str(rem_req)),
+                            ("x-ratelimit-remaining-tokens", str(rem_tok))]
+        if meta is None:
+            raise NotFound(f"request {call.request_id} is gone")
+        async for chunk in self._stream(call, meta):
+            yield chunk
+
+    async def _meta(self, call: Call) -> Meta | None:
+        raw = await self.redis.hgetall(keys.request_meta(call.tenant.id, call.request_id))
+        if not raw or raw.get(b"owner", b"").decode() != call.tenant.id or b"enqueued_ms" not in raw:
+            return None
+        return Meta.from_redis(raw)
+
+    # -- admission -----------------------------------------------------------------------------------------
+    def _model(self, call: Call, request: pb.GenerateRequest) -> ModelInfo:
+        model = self.catalog.get(request.model)
+        if not call.tenant.may_use(model.id):
+            raise PermissionDenied(f"tenant {call.tenant.id} may not use model {model.id}")
+        return model
+
+    async def _submit(self, call: Call, request: pb.GenerateRequest) -> Meta | None:
+        arrival = now_ms()
+        model = self._model(call, request)
+        validate_request(request, self.limits)
+        prompt_ids = await self.catalog.encode(model.id, request.prompt, request.messages, call.deadline)
+        sampling = resolve_sampling(request.sampling, len(prompt_ids), model.context_length,
+                                    call.tenant.max_new_tokens, self.limits)
+        sampling.stop_token_ids.extend(model.eos_token_ids)
+        cost = len(prompt_ids) + sampling.max_new_tokens
+        if cost > call.tenant.tokens_per_minute:
+            raise InvalidArgument("sampling.max_new_tokens", f"prompt + max_new_tokens = {cost} exceeds the "
+                                                             f"tenant's tokens_per_minute")
+        priority = request.priority or call.tenant.priority
+        await self.shedder.check(model.id, priority, call.tenant.id)
+        await self._admit(call, cost)
+        meta = Meta(call.tenant.id, model.id, len(prompt_ids), cost, list(request.sampling.stop), arrival, 0)
+        if not await self._claim(call, meta):
+            await self.quota.release(limits_of(call.tenant), call.request_id, 0)
+            return None
+        item = self._work_item(call, meta, prompt_ids, sampling, priority)
+        await self._enqueue(call, meta, item)
+        return meta
+
+    async def _admit(self, call: Call, cost: int) -> None:
+        started = time.perf_counter()
+        decision = await self.quota.admit(limits_of(call.tenant), call.request_id, cost)
+        metrics.ADMISSION.observe(time.perf_counter() - started)
+        if not decision.admitted:
+            if decision.limit == "duplicate":
+                raise Unavailable(f"request {call.request_id} is being admitted; retry to attach")
+            metrics.REJECTIONS.labels(call.tenant.id, decision.limit).inc()
+            raise ResourceExhausted(decision.limit, decision.retry_after_ms,
+                                    f"quota exceeded: {decision.limit}; retry after {decision.retry_after_ms} ms")
+        call.headers = [("x-ratelimit-remaining-requests", str(decision.remaining_requests)),
+                        ("x-ratelimit-remaining-tokens", str(decision.remaining_tokens))]
+
+    async def _claim(self, call: Call, meta: Meta) -> bool:
+        """Make this gateway the request's creator; False when the same request_id was claimed first."""
+        key = keys.request_meta(call.tenant.id, call.request_id)
+        if not await self.redis.hsetnx(key, "owner", call.tenant.id):
+            return False
+        await self.redis.expire(key, self.settings.events_ttl_s)
+        return True
+
+    def _work_item(self, call: Call, meta: Meta, prompt_ids: list[int], sampling: queue_pb2.ResolvedSampling,
+                   priority: int) -> queue_pb2.WorkItem:
+        deadline_ms = 0 if call.deadline is None else now_ms() + int((call.deadline - time.monotonic()) * 1000)
+        meta.enqueued_ms = now_ms()
+        return queue_pb2.WorkItem(
+            request_id=call.request_id, tenant=call.tenant.id, model=meta.model, prompt_token_ids=prompt_ids,
+            sampling=sampling, priority=priority, deadline_unix_ms=deadline_ms, arrival_unix_ms=meta.arrival_ms,
+            enqueued_unix_ms=meta.enqueued_ms, events_key=keys.events_stream(call.tenant.id, call.request_id),
+            cancel_key=keys.cancel_key(call.tenant.id, call.request_id))
+
+    async def _enqueue(self, call: Call, meta: Meta, item: queue_pb2.WorkItem) -> None:
+        key = keys.request_meta(call.tenant.id, call.request_id)
+        try:
+            await self.redis.hset(key, mapping=meta.to_redis())
+            await self.redis.xadd(keys.work_stream(meta.model, item.priority), {"item": item.SerializeToString()})
+        except Exception:
+            await self.redis.delete(key)
+            await self.quota.release(limits_of(call.tenant), call.request_id, 0)
+            raise
+
+    # -- streaming -----------------------------------------------------------------------------------------
+    async def _stream(self, call: Call, meta: Meta) -> AsyncIterator[pb.GenerateResponse]:
+        model = self.catalog.get(meta.model)
+        builder = OutputBuilder(call.request_id, model.tokenizer, meta.stops)
+        watch = Watch(self.settings, self.redis, self.quota, call, meta)
+        await self.redis.hincrby(keys.request_meta(call.tenant.id, call.request_id), "viewers", 1)
+        metrics.IN_FLIGHT.inc()
+        outcome = "detached"
+        try:
+            async for event in self._events(call, watch):
+                chunk = builder.feed(event)
+                if chunk is None:
+                    continue
+                watch.observe_chunk(chunk, model.id, builder)
+                if builder.done:
+                    chunk.usage.CopyFrom(watch.usage(builder, meta))
+                    outcome = "stopped" if chunk.finish_reason == pb.FINISH_REASON_STOP and \
+                        not event.final else "finished"
+                if chunk.index >= call.resume_from:
+                    yield chunk
+                if builder.done:
+                    return
+            outcome = "cancelled"  # the cancel grace ran out without a final event
+            yield watch.cancelled_chunk(builder, meta)
+        except (DeadlineExceeded, Unavailable):
+            outcome = "abandoned"
+            raise
+        except Exception:
+            outcome = "finished" if builder.done else "abandoned"
+            raise
+        finally:
+            metrics.IN_FLIGHT.dec()
+            self._spawn(self._finish(call, meta, builder, outcome))
+
+    async def _events(self, call: Call, watch: Watch) -> AsyncIterator[queue_pb2.TokenEvent]:
+        key = keys.events_stream(call.tenant.id, call.request_id)
+        last_id = "0-0"
+        while True:
+            block = watch.block_ms()
+            reply = await self.blocking.xread({key: last_id}, count=256, block=block)
+            for _, entries in reply or ():
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    event = queue_pb2.TokenEvent.FromString(fields[b"event"])
+                    watch.saw_event(event)
+                    yield event
+            if not await watch.tick(bool(reply)):
+                return
+
+    # -- exits ---------------------------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        """Run cleanup to completion even when the handler task is being cancelled."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: str) -> None:
+        meta_key = keys.request_meta(call.tenant.id, call.request_id)
+        used = meta.prompt_tokens + builder.next_index
+        try:
+            viewers = int(await self.redis.hincrby(meta_key, "viewers", -1))
+            if outcome == "detached":
+                await asyncio.sleep(self.settings.detach_grace_s)
+                if int(await self.redis.hget(meta_key, "viewers") or 0) > 0 or \
+                        await self.redis.hget(meta_key, "done"):
+                    return  # a resumed viewer carries on and will release
+                logger.info("client gone; cancelling", viewers=viewers)
+            if outcome in ("detached", "abandoned", "stopped"):
+                await self.cancel(call.tenant.id, call.request_id)
+            else:
+                await self.redis.hset(meta_key, "done", "1")
+            await self.quota.release(limits_of(call.tenant), call.request_id, used)
+        except Exception as exc:  # noqa: BLE001 - background cleanup; the lease TTL is the backstop
+            logger.warning("cleanup failed; lease will expire", error=repr(exc))
+
+    async def cancel(self, tenant: str, request_id: str) -> None:
+        """Set the cancel key (worker and batcher stop the request) and mark the request done."""
+        ttl = self.settings.events_ttl_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(keys.cancel_key(tenant, request_id), "1", ex=ttl)
+            pipe.hset(keys.request_meta(tenant, request_id), "done", "1")
+            await pipe.execute()
+
+    async def cancel_owned(self, tenant: str, request_id: str) -> None:
+        """The Cancel RPC: only a request of this tenant; anything else is NOT_FOUND."""
+        owner = await self.redis.hget(keys.request_meta(tenant, request_id), "owner")
+        if owner is None or owner.decode() != tenant:
+            raise NotFound(f"no request {request_id!r}")
+        await self.redis.set(keys.cancel_key(tenant, request_id), "1", ex=self.settings.events_ttl_s)
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self.settings.grace_s)
+

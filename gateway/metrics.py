@@ -1,0 +1,21 @@
+"""Prometheus metrics of the gateway (served on --metrics-port by llmserve.server)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+REQUESTS = Counter("llmserve_gateway_requests_total", "RPCs by method, tenant and status code",
+                   ["method", "tenant", "code"])
+REJECTIONS = Counter("llmserve_gateway_rejections_total", "admission refusals by tenant and reason",
+                     ["tenant", "reason"])
+TTFT = Histogram("llmserve_gateway_ttft_seconds", "arrival to first token", ["model"], buckets=_LATENCY_BUCKETS)
+INTER_TOKEN = Histogram("llmserve_gateway_inter_token_seconds", "time between streamed chunks per token",
+                        ["model"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+E2E = Histogram("llmserve_gateway_e2e_seconds", "arrival to last token", ["model"], buckets=_LATENCY_BUCKETS)
+QUEUE = Histogram("llmserve_gateway_queue_seconds", "enqueue to worker admission", ["model"],
+                  buckets=_LATENCY_BUCKETS)
+ADMISSION = Histogram("llmserve_gateway_admission_seconds", "quota check round trip",
+                      buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1))
+IN_FLIGHT = Gauge("llmserve_gateway_streams_in_flight", "requests being streamed by this gateway")

@@ -1,0 +1,82 @@
+"""What the gateway knows about each model, fetched from tokenizer_svc at start-up:
+the tokenizer (for local incremental detokenization), EOS ids and context length.
+Encode calls go to tokenizer_svc with a deadline and jittered retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from tokenizers import Tokenizer
+
+from llmserve import model_store
+from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.retry import remaining, retrying
+from llmserve.v1 import inference_pb2 as pb
+from llmserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+logger = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    id: str
+    tokenizer: Tokenizer
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+
+
+class ModelCatalog:
+    """Model id → ModelInfo, plus the tokenizer_svc client."""
+
+    def __init__(self, specs: list[str], tokenizer_target: str, timeout_s: float = 5.0) -> None:
+        self.ids = [model_store.model_id(spec) for spec in specs]
+        self.default_id = self.ids[0]
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(tokenizer_target)
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
+        self.models: dict[str, ModelInfo] = {}
+
+    async def load(self, wait_s: float) -> None:
+        """GetTokenizerInfo for every model, retrying until tokenizer_svc answers or wait_s passes."""
+        deadline = time.monotonic() + wait_s
+        for model_id in self.ids:
+            async for attempt in retrying(deadline=deadline, max_attempts=10_000, max_backoff_s=1.0):
+                with attempt:
+                    info = await self.stub.GetTokenizerInfo(tokenizer_pb2.TokenizerInfoRequest(model=model_id),
+                                                            timeout=self.timeout_s, wait_for_ready=True)
+            self.models[model_id] = ModelInfo(model_id, Tokenizer.from_str(info.tokenizer_json),
+                                              tuple(info.eos_token_ids), int(info.context_length))
+            logger.info("model ready", model=model_id, context_length=info.context_length,
+                        eos_token_ids=list(info.eos_token_ids))
+
+    def get(self, model: str) -> ModelInfo:
+        """The served model `model` (empty = default); INVALID_ARGUMENT for one this gateway does not serve."""
+        model_id = model or self.default_id
+        if model_id not in self.ids:
+            raise InvalidArgument("model", f"unknown model {model_id!r}; ListModels lists the served ones")
+        info = self.models.get(model_id)
+        if info is None:
+            raise Unavailable(f"model {model_id} is not ready (tokenizer_svc not reached yet)")
+        return info
+
+    async def encode(self, model_id: str, text: str, messages, deadline: float | None) -> list[int]:
+        """Token ids of text or chat messages (template applied with the generation prompt)."""
+        request = tokenizer_pb2.EncodeRequest(model=model_id, text=text, messages=messages)
+        deadline = min(deadline, time.monotonic() + self.timeout_s * 3) if deadline else \
+            time.monotonic() + self.timeout_s * 3
+        async for attempt in retrying(deadline=deadline):
+            with attempt:
+                reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)))
+        return list(reply.token_ids)
+
+    def list(self) -> list[pb.ModelInfo]:
+        return [pb.ModelInfo(id=m, context_length=self.models[m].context_length if m in self.models else 0)
+                for m in self.ids]
+
+    async def close(self) -> None:
+        await self.channel.close()

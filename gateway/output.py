@@ -1,0 +1,75 @@
+"""Token events → GenerateResponse chunks: dedupe by index, incremental
+detokenization, stop strings.
+
+The chunks are a pure function of the event sequence, so a resumed stream cuts
+them at the same places as the first one; `resume_from` then drops the chunks
+the client already has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import structlog
+from tokenizers import Tokenizer
+
+from llmserve.errors import from_code_name
+from llmserve.v1 import inference_pb2 as pb
+from llmserve.v1 import queue_pb2
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stops import StopMatcher
+
+logger = structlog.get_logger(__name__)
+
+
+class OutputBuilder:
+    """Feed TokenEvents in stream order; get the chunks to send. `done` once a final chunk went out."""
+
+    def __init__(self, request_id: str, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
+        self.request_id = request_id
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopMatcher(stops)
+        self.next_index = 0       # completion tokens taken so far
+        self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+        self.done = False
+        self.first_event: queue_pb2.TokenEvent | None = None
+
+    def _new_tokens(self, event: queue_pb2.TokenEvent) -> list[int]:
+        """The tokens of `event` not seen before (events may repeat after a redelivery)."""
+        ids = list(event.token_ids)
+        if event.index > self.next_index:
+            logger.warning("gap in token events", expected=self.next_index, got=event.index)
+            return []
+        return ids[self.next_index - event.index:]
+
+    def feed(self, event: queue_pb2.TokenEvent) -> pb.GenerateResponse | None:
+        """The chunk this event yields (None when it adds nothing); raises the event's error."""
+        if self.done:
+            return None
+        if self.first_event is None:
+            self.first_event = event
+        ids = self._new_tokens(event)
+        start = self.next_index
+        self.next_index += len(ids)
+        result = self.matcher.feed(self.detok.feed(ids)) if ids else None
+        text = result.text if result else ""
+        if result and result.stopped:
+            return self._final(start, ids, text, pb.FINISH_REASON_STOP)
+        if event.final:
+            if event.HasField("error") and event.error.code:
+                self.done = True
+                raise from_code_name(event.error.code, event.error.message or "generation failed")
+            tail = self.matcher.feed(self.detok.flush())
+            text += tail.text + ("" if tail.stopped else self.matcher.flush())
+            reason = pb.FINISH_REASON_STOP if tail.stopped else event.finish_reason
+            return self._final(start, ids, text, reason or pb.FINISH_REASON_STOP)
+        if not ids:
+            return None
+        return pb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, index=start)
+
+    def _final(self, start: int, ids: list[int], text: str, reason: int) -> pb.GenerateResponse:
+        self.done = True
+        self.finish_reason = reason
+        return pb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, index=start,
+                                   finish_reason=reason)

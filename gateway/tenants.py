@@ -1,0 +1,147 @@
+"""Tenants file: who may call, with which limits. Keys are stored as sha256 hex only.
+
+    tenants:
+      - id: acme
+        api_keys: ["sha256:<hex>"]
+        requests_per_second: 5
+        burst: 10
+        tokens_per_minute: 20000
+        max_concurrent: 4
+        max_new_tokens: 512
+        priority: normal
+        models: ["*"]
+
+`TenantRegistry.reload()` swaps the whole table at once (SIGHUP); requests in
+flight keep the `Tenant` they were admitted with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import yaml
+
+from llmserve.errors import Unauthenticated
+from llmserve.v1 import inference_pb2 as pb
+
+logger = structlog.get_logger(__name__)
+
+PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
+
+
+class TenantsError(ValueError):
+    """The tenants file cannot be used."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    key_hashes: tuple[str, ...]
+    requests_per_second: float
+    burst: int
+    tokens_per_minute: int
+    max_concurrent: int
+    max_new_tokens: int
+    priority: int
+    models: tuple[str, ...]
+
+    def may_use(self, model: str) -> bool:
+        return "*" in self.models or model in self.models
+
+
+def hash_key(api_key: str) -> str:
+    """The stored form of an API key: sha256 hex of its UTF-8 bytes."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest()
+
+
+def _key_hash(entry: str, tenant_id: str) -> str:
+    if not isinstance(entry, str) or not entry.startswith("sha256:") or len(entry) != 7 + 64:
+        raise TenantsError(f"tenant {tenant_id}: api_keys entries must be 'sha256:<64 hex>'")
+    return entry[7:].lower()
+
+
+def _positive(raw: dict, name: str, tenant_id: str, kind: type = int):
+    value = raw.get(name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise TenantsError(f"tenant {tenant_id}: {name} must be a positive number")
+    return kind(value)
+
+
+def parse_tenant(raw: dict) -> Tenant:
+    tenant_id = str(raw.get("id") or "")
+    if not tenant_id or any(c in tenant_id for c in "{}: "):
+        raise TenantsError(f"tenant id {tenant_id!r} must be non-empty without braces, colons or spaces")
+    priority = str(raw.get("priority", "normal")).lower()
+    if priority not in PRIORITIES:
+        raise TenantsError(f"tenant {tenant_id}: priority must be low, normal or high")
+    return Tenant(
+        id=tenant_id,
+        key_hashes=tuple(_key_hash(k, tenant_id) for k in raw.get("api_keys") or []),
+        requests_per_second=_positive(raw, "requests_per_second", tenant_id, float),
+        burst=_positive(raw, "burst", tenant_id),
+        tokens_per_minute=_positive(raw, "tokens_per_minute", tenant_id),
+        max_concurrent=_positive(raw, "max_concurrent", tenant_id),
+        max_new_tokens=_positive(raw, "max_new_tokens", tenant_id),
+        priority=PRIORITIES[priority],
+        models=tuple(str(m) for m in raw.get("models") or ["*"]),
+    )
+
+
+def parse_tenants(text: str) -> dict[str, Tenant]:
+    """key hash → Tenant, from the YAML text of a tenants file."""
+    doc = yaml.safe_load(text) or {}
+    by_hash: dict[str, Tenant] = {}
+    ids: set[str] = set()
+    for raw in doc.get("tenants") or []:
+        tenant = parse_tenant(raw)
+        if tenant.id in ids:
+            raise TenantsError(f"tenant {tenant.id} listed twice")
+        ids.add(tenant.id)
+        for key_hash in tenant.key_hashes:
+            if key_hash in by_hash:
+                raise TenantsError(f"an api key is listed for both {by_hash[key_hash].id} and {tenant.id}")
+            by_hash[key_hash] = tenant
+    return by_hash
+
+
+class TenantRegistry:
+    """The current tenants table; `authenticate()` maps an API key to its tenant."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._by_hash: dict[str, Tenant] = {}
+
+    def load(self) -> "TenantRegistry":
+        self._by_hash = parse_tenants(self.path.read_text())
+        logger.info("tenants loaded", path=str(self.path), tenants=len(self.tenant_ids()))
+        return self
+
+    def reload(self) -> bool:
+        """Re-read the file; on any error keep the current table (and say why)."""
+        try:
+            self.load()
+            return True
+        except (OSError, yaml.YAMLError, TenantsError) as exc:
+            logger.error("tenants reload failed; keeping the previous table", error=str(exc))
+            return False
+
+    def tenant_ids(self) -> set[str]:
+        return {t.id for t in self._by_hash.values()}
+
+    def authenticate(self, metadata: dict[str, str]) -> Tenant:
+        """The tenant of `authorization: Bearer <key>`; UNAUTHENTICATED otherwise."""
+        header = metadata.get("authorization", "")
+        scheme, _, api_key = header.partition(" ")
+        if scheme.lower() != "bearer" or not api_key.strip():
+            raise Unauthenticated("missing bearer api key (metadata authorization: Bearer <key>)")
+        digest = hash_key(api_key.strip())
+        tenant = self._by_hash.get(digest)
+        # The dict lookup finds the candidate; compare_digest keeps the final check constant-time.
+        stored = next((h for h in tenant.key_hashes if hmac.compare_digest(h, digest)), None) if tenant else None
+        if stored is None:
+            raise Unauthenticated("unknown api key")
+        return tenant
