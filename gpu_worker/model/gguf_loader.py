@@ -1,0 +1,212 @@
+"""GGUF file -> ModelConfig + Hugging Face-named weights, via a safetensors cache.
+
+Dequantizing a GGUF (F32/F16/Q8_0/Q4_0/Q4_1, with `gguf.quants.dequantize`) takes
+seconds, so the first load converts the file once into
+`<cache_dir>/converted/<stem>-<key>.safetensors` (key: path, size, mtime, layout),
+and later loads read that file directly.
+
+RoPE layout: llama.cpp stores llama Q/K weights permuted for interleaved-pair
+RoPE. By default we undo that permutation so every model runs the HF
+rotate_half layout (rope_interleaved=False); `unpermute=False` keeps the GGUF
+layout and sets rope_interleaved=True instead (same logits; tested).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gpu_worker.model.config import ModelConfig, RopeScaling
+from llmserve import model_store
+
+logger = structlog.get_logger(__name__)
+
+CACHE_FORMAT = "1"
+SUPPORTED_TYPES = {
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+}
+# architectures whose GGUF Q/K weights llama.cpp permuted for interleaved RoPE
+PERMUTED_ARCHS = {"llama"}
+
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> HF name (None for tensors that are not model weights, e.g. rope_freqs)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    match = _BLK.match(gguf_name)
+    if not match or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute`: interleaved-pair rows per head -> HF rotate_half rows.
+
+    w: [num_heads * D, ...] (weight [rows, H] or bias [rows]) -> same shape.
+    llama.cpp: w.reshape(n, 2, D/2, ...).swapaxes(1, 2); the inverse swaps back from (n, D/2, 2, ...).
+    """
+    rest = w.shape[1:]
+    return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---- metadata -> ModelConfig ----------------------------------------------------------------------
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+    return RopeScaling(rope_type="linear", factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)))
+
+
+def _rope_freq_factors(reader: GGUFReader) -> tuple[float, ...] | None:
+    """Llama 3.1+ GGUFs carry their RoPE scaling as per-frequency divisors in tensor `rope_freqs`."""
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            return tuple(float(x) for x in dequantize(t.data, t.tensor_type).reshape(-1))
+    return None
+
+
+def _tensor(reader: GGUFReader, name: str):
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def read_config(reader: GGUFReader, unpermute: bool = True) -> ModelConfig:
+    """GGUF metadata -> ModelConfig."""
+    arch = _field(reader, "general.architecture", "llama")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    embed = _tensor(reader, "token_embd.weight")
+    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
+    return ModelConfig(
+        vocab_size=int(embed.shape[-1]),  # ggml shapes are innermost-first: [H, V]
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(reader, arch),
+        rope_freq_factors=_rope_freq_factors(reader),
+        context_length=int(_field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings=_tensor(reader, "output.weight") is None,
+        attention_bias=_tensor(reader, "blk.0.attn_q.bias") is not None,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        rope_interleaved=arch in PERMUTED_ARCHS and not unpermute,
+        architecture=arch,
+    )
+
+
+# ---- tensors ----------------------------------------------------------------------------------------
+
+
+def _dequantized(t, config: ModelConfig, unpermute: bool) -> torch.Tensor:
+    """One GGUF tensor -> torch tensor in HF layout [out, in]; F32 stays fp32, the rest is stored fp16."""
+    if t.tensor_type not in SUPPORTED_TYPES:
+        raise ValueError(f"{t.name}: GGUF type {t.tensor_type.name} is not supported")
+    w = dequantize(t.data, t.tensor_type)  # float32, rows outermost
+    w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+    if unpermute and config.architecture in PERMUTED_ARCHS:
+        if t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_qk(w, config.num_heads)
+        elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_qk(w, config.num_kv_heads)
+    dtype = torch.float32 if t.tensor_type == GGMLQuantizationType.F32 else torch.float16
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # copy: reader memory is read-only
+
+
+def convert(path: Path, unpermute: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read and dequantize a whole GGUF (slow: seconds). Returns config and HF-named tensors."""
+    start = time.monotonic()
+    reader = GGUFReader(str(path))
+    config = read_config(reader, unpermute)
+    named = [(hf_name(t.name), t) for t in reader.tensors]
+    named = [(n, t) for n, t in named if n is not None]
+    weights: dict[str, torch.Tensor] = {}
+    step = max(1, len(named) // 10)
+    for i, (name, t) in enumerate(named, 1):
+        weights[name] = _dequantized(t, config, unpermute)
+        if i % step == 0 or i == len(named):
+            logger.info("dequantizing gguf", done=i, total=len(named), elapsed_s=round(time.monotonic() - start, 1))
+    return config, weights
+
+
+def cache_path(path: Path, unpermute: bool = True) -> Path:
+    """Where the converted copy of `path` lives: keyed by absolute path, size, mtime and layout."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{int(unpermute)}|v{CACHE_FORMAT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return model_store.cache_dir() / "converted" / f"{path.stem}-{digest}.safetensors"
+
+
+def _write_cache(target: Path, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    save_file(weights, str(tmp), metadata={"config": config.to_json(), "format": CACHE_FORMAT})
+    tmp.replace(target)  # atomic: a concurrent loader sees the whole file or none
+
+
+def _iter_cached(target: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    with safe_open(str(target), framework="pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def load(path: Path, unpermute: bool = True) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Config and (HF name, tensor) pairs of a GGUF, converting into the cache on first use."""
+    target = cache_path(path, unpermute)
+    if not target.exists():
+        logger.info("converting gguf (first load)", path=str(path), cache=str(target))
+        config, weights = convert(path, unpermute)
+        try:
+            _write_cache(target, config, weights)
+        except OSError as exc:  # a read-only cache must not stop the worker
+            logger.warning("could not write converted cache", error=str(exc))
+            return config, iter(weights.items())
+        del weights
+    with safe_open(str(target), framework="pt") as f:
+        config = ModelConfig.from_json(f.metadata()["config"])
+    logger.info("loading converted gguf", cache=str(target))
+    return config, _iter_cached(target)
+
+
+def is_gguf(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"

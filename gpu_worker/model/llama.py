@@ -1,0 +1,205 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One forward runs every sequence of a step at once (prefill chunks then decodes,
+see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
+matmuls (cuBLAS on GPU). Q/K/V and gate/up projections are fused into one GEMM each.
+
+Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.kv_cache import KVCache
+from gpu_worker.model.metadata import AttentionMetadata
+from gpu_worker.model.rope import cos_sin_table
+from gpu_worker.ops import get_ops
+
+
+def _param(*shape: int, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, device, dtype) -> None:
+        super().__init__()
+        c = config
+        kw = dict(device=device, dtype=dtype)
+        self.input_norm = _param(c.hidden_size, **kw)  # [H]
+        self.qkv_weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, **kw)  # [(Hq + 2Hk) * D, H]
+        self.qkv_bias = _param(c.q_size + 2 * c.kv_size, **kw) if c.attention_bias else None
+        self.o_weight = _param(c.hidden_size, c.q_size, **kw)  # [H, Hq * D]
+        self.post_norm = _param(c.hidden_size, **kw)  # [H]
+        self.gate_up_weight = _param(2 * c.intermediate_size, c.hidden_size, **kw)  # [2I, H]
+        self.down_weight = _param(c.hidden_size, c.intermediate_size, **kw)  # [H, I]
+        self.config = config
+
+    def attention(self, ops, positions, h, meta: AttentionMetadata, k_cache, v_cache, cos_sin) -> torch.Tensor:
+        """h: [T, H] (normed) -> attention output projected back to [T, H]."""
+        c = self.config
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hk) * D]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)  # [T, Hq, D]
+        k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hk, D]
+        v = v.reshape(-1, c.num_kv_heads, c.head_dim)  # [T, Hk, D]
+        q, k = ops.rotary_embedding(positions, q, k, cos_sin, c.rope_interleaved)
+        ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)  # [T, Hq, D]
+        scale = c.head_dim**-0.5
+        num_prefill = meta.num_prefill_tokens
+        if meta.num_prefills > 0:
+            out[:num_prefill] = ops.paged_prefill_attention(
+                q[:num_prefill], k_cache, v_cache, meta.prefill_block_tables,
+                meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+            )
+        if meta.num_decodes > 0:
+            out[num_prefill:] = ops.paged_decode_attention(
+                q[num_prefill:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
+            )
+        return F.linear(out.view(-1, c.q_size), self.o_weight)  # [T, H]
+
+    def forward(self, ops, positions, h, residual, meta, k_cache, v_cache, cos_sin):
+        """h: [T, H] output of the previous layer, residual: [T, H] or None -> (h [T, H], residual [T, H])."""
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            residual, h = h, ops.rms_norm(h, self.input_norm, eps)
+        else:
+            h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm, eps)
+        h = self.attention(ops, positions, h, meta, k_cache, v_cache, cos_sin)
+        h, residual = ops.fused_add_rms_norm(h, residual, self.post_norm, eps)
+        gate_up = F.linear(h, self.gate_up_weight)  # [T, 2I]
+        h = F.linear(ops.silu_and_mul(gate_up), self.down_weight)  # [T, H]
+        return h, residual
+
+
+# HF suffix inside a layer -> (parameter name, which shard of a fused parameter or None)
+_LAYER_WEIGHTS = {
+    "input_layernorm.weight": ("input_norm", None),
+    "self_attn.q_proj.weight": ("qkv_weight", "q"),
+    "self_attn.k_proj.weight": ("qkv_weight", "k"),
+    "self_attn.v_proj.weight": ("qkv_weight", "v"),
+    "self_attn.q_proj.bias": ("qkv_bias", "q"),
+    "self_attn.k_proj.bias": ("qkv_bias", "k"),
+    "self_attn.v_proj.bias": ("qkv_bias", "v"),
+    "self_attn.o_proj.weight": ("o_weight", None),
+    "post_attention_layernorm.weight": ("post_norm", None),
+    "mlp.gate_proj.weight": ("gate_up_weight", "gate"),
+    "mlp.up_proj.weight": ("gate_up_weight", "up"),
+    "mlp.down_proj.weight": ("down_weight", None),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class LlamaModel(nn.Module):
+    """forward(input_ids [T], positions [T], meta, kv_cache) -> logits [num_seqs, vocab] float32."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        lm_head_dtype: torch.dtype | None = None,
+    ) -> None:
+        """lm_head_dtype: dtype of the vocab projection; default fp32 on CPU (bf16 logits round
+        near-ties together and flip greedy choices), the compute dtype on GPU (as vLLM does)."""
+        super().__init__()
+        c = config
+        self.config = config
+        kw = dict(device=device, dtype=dtype)
+        self.embed = _param(c.vocab_size, c.hidden_size, **kw)  # [V, H]
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, device, dtype) for _ in range(c.num_layers))
+        self.norm = _param(c.hidden_size, **kw)  # [H]
+        if lm_head_dtype is None:
+            lm_head_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
+        # tied and same dtype: share the tensor; otherwise a separate parameter (filled from the embedding)
+        self.share_lm_head = c.tie_word_embeddings and lm_head_dtype == dtype
+        self.lm_head = self.embed if self.share_lm_head else _param(
+            c.vocab_size, c.hidden_size, device=device, dtype=lm_head_dtype
+        )
+        # [context_length, D] fp32 cos | sin; a buffer so .to(device) moves it along
+        self.register_buffer("cos_sin", cos_sin_table(c, c.context_length, device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:  # [num_seqs, vocab] float32
+        ops = get_ops(input_ids.device)
+        h = F.embedding(input_ids, self.embed)  # [T, H]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(
+                ops, positions, h, residual, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], self.cos_sin
+            )
+        # only the sampled rows need the final norm and the vocab GEMM
+        idx = meta.logits_indices
+        h, _ = ops.fused_add_rms_norm(h[idx], residual[idx], self.norm, self.config.rms_norm_eps)  # [S, H]
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()  # [num_seqs, V]
+
+    # ---- weight loading -------------------------------------------------------------------------
+
+    def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
+        """The slice of a (possibly fused) parameter that one HF tensor fills."""
+        c = self.config
+        bounds = {
+            "q": (0, c.q_size), "k": (c.q_size, c.q_size + c.kv_size),
+            "v": (c.q_size + c.kv_size, c.q_size + 2 * c.kv_size),
+            "gate": (0, c.intermediate_size), "up": (c.intermediate_size, 2 * c.intermediate_size),
+        }
+        if shard is None:
+            return param
+        lo, hi = bounds[shard]
+        return param[lo:hi]
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        """The parameter slice for an HF tensor name (None for tensors the model does not use)."""
+        top = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not self.config.tie_word_embeddings:
+            top["lm_head.weight"] = self.lm_head
+        if name in top:
+            return top[name]
+        match = _LAYER_NAME.match(name)
+        if not match or match.group(2) not in _LAYER_WEIGHTS:
+            return None
+        layer = self.layers[int(match.group(1))]
+        attr, shard = _LAYER_WEIGHTS[match.group(2)]
+        param = getattr(layer, attr)
+        return None if param is None else self._shard(param, shard)
+
+    def expected_weights(self) -> set[str]:
+        """HF names that must all be loaded."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not self.config.tie_word_embeddings:
+            names.add("lm_head.weight")
+        bias = self.config.attention_bias
+        for i in range(self.config.num_layers):
+            names |= {f"model.layers.{i}.{s}" for s in _LAYER_WEIGHTS if bias or not s.endswith(".bias")}
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, tensor) pairs into the (fused) parameters; raises if any expected one is missing."""
+        loaded = set()
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name)
+            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not self.share_lm_head:
+                self.lm_head.copy_(tensor)
+        missing = self.expected_weights() - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
