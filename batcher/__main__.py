@@ -1,0 +1,35 @@
+"""`python -m batcher`: the dynamic batcher and dispatcher (see batcher/config.py for every flag)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from batcher.config import BatcherSettings
+from batcher.service import BatcherService
+from llmserve.log import configure_logging
+from llmserve.server import serve
+from llmserve.settings import SettingsError
+
+DESCRIPTION = (
+    "Reads the work streams of each model with consumer group 'batchers', forms batches "
+    "(max batch, max wait, prefill token budget; strict priority, round-robin across tenants), "
+    "and hands each to the live worker with most free KV blocks, atomically. Per-model limits: "
+    "--model-overrides '{\"MODEL\": {\"max_batch\": 8, \"max_wait_ms\": 10, \"prefill_token_budget\": 4096}}' "
+    "or --model-overrides @FILE.yaml.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = BatcherSettings.load(sys.argv[1:] if argv is None else argv, prog="python -m batcher",
+                                        description=DESCRIPTION)
+    except SettingsError as exc:
+        print(f"batcher: {exc}", file=sys.stderr)
+        return 2
+    configure_logging("batcher", settings.log_level)
+    asyncio.run(serve(BatcherService(settings), settings, "batcher"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""The batching loop of one model.
+
+    XREADGROUP (3 priority streams) ─▶ FairQueue (held, still pending) ─▶ take(batch)
+        ─▶ drop expired / cancelled (final event, ack) ─▶ pick worker (capacity)
+        ─▶ Lua: XADD inbox + XACK/XDEL items ─▶ reserve capacity locally
+
+Everything that touches the local queue runs in this one task (reads,
+dispatches, reclaims, housekeeping), so there are no races inside a replica;
+races between replicas are settled by the ownership check in the dispatch script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import defaultdict
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError, ResponseError
+
+from batcher import metrics
+from batcher.config import BatcherSettings
+from batcher.events import DropReason, final_event, is_expired, write_final
+from batcher.fair_queue import FairQueue, Held
+from batcher.reclaimer import Reclaimer
+from batcher.scripts import Scripts, Source
+from batcher.workers import Capacity, WorkerPool, blocks_needed
+from llmserve import keys
+from llmserve.v1 import queue_pb2
+
+logger = structlog.get_logger(__name__)
+
+_IDLE_BLOCK_MS = 200       # longest a read blocks; bounds how late a stop is noticed
+_TOUCH_CHUNK = 500
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ModelBatcher:
+    """Reads one model's work streams and dispatches its batches; see the module docstring."""
+
+    def __init__(self, redis: aioredis.Redis, scripts: Scripts, settings: BatcherSettings, model: str,
+                 consumer: str) -> None:
+        self.redis, self.scripts, self.settings = redis, scripts, settings
+        self.model, self.consumer = model, consumer
+        self.limits = settings.limits_for(model)
+        self.streams = {p: keys.work_stream(model, p) for p in keys.PRIORITY_ORDER}
+        self.queue = FairQueue()
+        self.pool = WorkerPool(settings.heartbeat_ttl_ms, settings.capacity_grace_ms)
+        self.reclaimer = Reclaimer(self)
+        self._reading = True
+        self._workers_at = self._touched_at = self._reclaimed_at = 0.0
+
+    # ── lifecycle ──────────────────────────────────────────────────────────
+
+    async def ensure_groups(self) -> None:
+        """Create the consumer group on each work stream (from the start, so nothing queued is skipped)."""
+        for stream in self.streams.values():
+            try:
+                await self.redis.xgroup_create(stream, keys.WORK_GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def stop_reading(self) -> None:
+        self._reading = False
+
+    async def run(self) -> None:
+        """Batch until `stop_reading()`; then flush what is held (bounded by grace_s)."""
+        backoff = 0.05
+        while self._reading:
+            try:
+                await self.step()
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                logger.warning("redis error in batch loop", model=self.model, error=repr(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+        await self.flush(time.monotonic() + self.settings.grace_s)
+
+    async def step(self) -> None:
+        now = time.monotonic()
+        await self._maybe_refresh_workers(now)
+        await self._read(self._block_ms(now))
+        await self.dispatch_ready()
+        await self._housekeeping(time.monotonic())
+
+    async def flush(self, deadline: float) -> None:
+        """Dispatch everything held, as capacity allows, until `deadline`; leave the rest reclaimable."""
+        while self.queue and time.monotonic() < deadline:
+            try:
+                await self._maybe_refresh_workers(time.monotonic())
+                if not await self.dispatch_ready(force=True):
+                    await asyncio.sleep(self.settings.workers_poll_ms / 1000)
+            except (RedisError, OSError) as exc:
+                logger.warning("redis error while flushing", model=self.model, error=repr(exc))
+                await asyncio.sleep(0.1)
+        await self._release_held()
+
+    async def _release_held(self) -> None:
+        """Mark what is still held as idle so another replica's XAUTOCLAIM takes it at once."""
+        by_stream = defaultdict(list)
+        for held in self.queue:
+            by_stream[held.stream].append(held.entry_id)
+        for stream, ids in by_stream.items():
+            try:
+                await self.redis.xclaim(stream, keys.WORK_GROUP, self.consumer, 0, ids,
+                                        idle=self.settings.claim_idle_ms, justid=True)
+            except (RedisError, OSError) as exc:
+                logger.warning("could not release held items", model=self.model, error=repr(exc))
+        if self.queue:
+            logger.info("left items for other replicas", model=self.model, count=len(self.queue))
+
+    # ── reading ───────────────────────────────────────────────────────────
+
+    def _block_ms(self, now: float) -> int:
+        """How long the next read may block: until the oldest held item's wait is over."""
+        oldest = self.queue.oldest_read_at()
+        if oldest is None:
+            return _IDLE_BLOCK_MS
+        if self._full():
+            return 0
+        left_ms = (oldest + self.limits.max_wait_ms / 1000 - now) * 1000
+        if left_ms <= 0:
+            return min(self.settings.workers_poll_ms, _IDLE_BLOCK_MS)  # ready, waiting for capacity
+        return max(1, min(int(left_ms + 0.999), _IDLE_BLOCK_MS))
+
+    async def _read(self, block_ms: int) -> None:
+        rooms = {self.streams[p]: self.settings.read_ahead - self.queue.count(p) for p in keys.PRIORITY_ORDER}
+        rooms = {s: r for s, r in rooms.items() if r > 0}
+        if not rooms:
+            await asyncio.sleep(block_ms / 1000)
+            return
+        reply = await self.redis.xreadgroup(keys.WORK_GROUP, self.consumer, {s: ">" for s in rooms},
+                                            count=max(rooms.values()), block=block_ms or None)
+        read_at = time.monotonic()
+        for stream, entries in reply or []:
+            await self.accept(_text(stream), entries, read_at)
+        metrics.HELD.labels(self.model).set(len(self.queue))
+
+    async def accept(self, stream: str, entries: list, read_at: float) -> int:
+        """Queue entries read or claimed from `stream`; malformed ones are acked and counted."""
+        accepted, malformed = 0, []
+        for entry_id, fields in entries:
+            entry_id = _text(entry_id)
+            try:
+                item = queue_pb2.WorkItem.FromString(fields[b"item"])
+            except Exception:  # noqa: BLE001 - any undecodable entry is dropped the same way
+                malformed.append(entry_id)
+                continue
+            accepted += self.queue.push(Held(stream, entry_id, item, read_at, touched_at=read_at))
+        if malformed:
+            logger.error("dropping malformed work entries", model=self.model, stream=stream, ids=malformed)
+            await self._ack(stream, keys.WORK_GROUP, malformed)
+            metrics.DROPS.labels(self.model, DropReason.MALFORMED.value).inc(len(malformed))
+        return accepted
+
+    # ── dispatching ───────────────────────────────────────────────────────
+
+    def _full(self) -> bool:
+        return len(self.queue) >= self.limits.max_batch or \
+            self.queue.prompt_tokens >= self.limits.prefill_token_budget
+
+    def _ready(self, now: float) -> bool:
+        oldest = self.queue.oldest_read_at()
+        if oldest is None:
+            return False
+        return self._full() or now - oldest >= self.limits.max_wait_ms / 1000
+
+    async def dispatch_ready(self, force: bool = False) -> int:
+        """Dispatch batches while one is due (full or waited long enough); returns items sent."""
+        sent = 0
+        while self.queue and (force or self._ready(time.monotonic())):
+            cap = self.pool.best(now_ms())
+            if cap is None:
+                metrics.NO_CAPACITY.labels(self.model).inc()
+                return sent
+            batch, dropped = self._form(cap)
+            if not batch and not dropped:
+                metrics.NO_CAPACITY.labels(self.model).inc()
+                return sent  # the worker with most room cannot take the next item yet
+            if dropped:
+                await self.drop(dropped)
+            batch = await self._without_cancelled(batch)
+            if batch:
+                sent += await self._send(cap, batch)
+        return sent
+
+    def _form(self, cap: Capacity) -> tuple[list[Held], list[tuple[Held, DropReason, str]]]:
+        """Take one batch for `cap` from the queue; expired and unfittable items come back as drops."""
+        budget = _Budget(self, cap)
+        taken = self.queue.take(budget.admit)
+        batch = [h for h in taken if h not in budget.drops]
+        return batch, list(budget.drops.values())
+
+    async def _without_cancelled(self, batch: list[Held]) -> list[Held]:
+        cancellable = [h for h in batch if h.item.cancel_key]
+        if not cancellable:
+            return batch
+        pipe = self.redis.pipeline(transaction=False)
+        for held in cancellable:
+            pipe.exists(held.item.cancel_key)
+        cancelled = {id(h) for h, hit in zip(cancellable, await pipe.execute()) if hit}
+        if cancelled:
+            await self.drop([(h, DropReason.CANCELLED, "") for h in batch if id(h) in cancelled])
+        return [h for h in batch if id(h) not in cancelled]
+
+    async def _send(self, cap: Capacity, batch: list[Held], attempts: int = 2) -> int:
+        """Hand `batch` to the worker atomically; items another replica took over are forgotten."""
+        message = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=[h.item for h in batch],
+                                  created_unix_ms=now_ms())
+        try:
+            result = await self.scripts.dispatch(
+                keys.inbox_stream(self.model, cap.worker_id), keys.inboxes_set(self.model), cap.worker_id,
+                keys.INBOX_GROUP, self.consumer, _sources(batch), message.SerializeToString())
+        except (RedisError, OSError):
+            self.queue.extend(batch)  # outcome unknown: the ownership check settles it on the next try
+            raise
+        if not result.ok:
+            lost = set(result.lost)
+            metrics.CONFLICTS.labels(self.model).inc(len(lost))
+            rest = [h for h in batch if h.ref not in lost]
+            return await self._send(cap, rest, attempts - 1) if rest and attempts > 1 else 0
+        self._record(cap, batch)
+        return len(batch)
+
+    def _record(self, cap: Capacity, batch: list[Held]) -> None:
+        blocks = sum(blocks_needed(h.item, cap.block_size, self.settings.decode_reserve) for h in batch)
+        self.pool.reserve(cap.worker_id, blocks, len(batch), now_ms())
+        wait = time.monotonic() - min(h.read_at for h in batch)
+        metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
+        metrics.BATCH_PROMPT_TOKENS.labels(self.model).observe(sum(h.prompt_tokens for h in batch))
+        metrics.FILL_WAIT.labels(self.model).observe(max(0.0, wait))
+        metrics.DISPATCHED.labels(self.model).inc(len(batch))
+
+    async def drop(self, drops: list[tuple[Held, DropReason, str]]) -> None:
+        """End items without dispatch: final event first, then ack (if still ours)."""
+        await write_final(self.redis, [(h.item, final_event(h.item, reason, detail)) for h, reason, detail in drops],
+                          self.settings.events_ttl_s)
+        await self.scripts.dispatch(keys.inboxes_set(self.model), keys.inboxes_set(self.model), "",
+                                    keys.INBOX_GROUP, self.consumer, _sources([h for h, _, _ in drops]), b"")
+        for held, reason, _ in drops:
+            metrics.DROPS.labels(self.model, reason.value).inc()
+            logger.info("dropped queued request", model=self.model, request_id=held.item.request_id,
+                        tenant=held.item.tenant, reason=reason.value)
+
+    async def _ack(self, stream: str, group: str, ids: list[str]) -> None:
+        await self.scripts.dispatch(keys.inboxes_set(self.model), keys.inboxes_set(self.model), "",
+                                    keys.INBOX_GROUP, self.consumer, [Source(stream, group, ids)], b"")
+
+    # ── periodic work ─────────────────────────────────────────────────────
+
+    async def _maybe_refresh_workers(self, now: float) -> None:
+        if now - self._workers_at < self.settings.workers_poll_ms / 1000:
+            return
+        raw = await self.redis.hgetall(keys.workers_hash(self.model))
+        self.pool.update({_text(k): queue_pb2.WorkerHeartbeat.FromString(v) for k, v in raw.items()})
+        self._workers_at = now
+
+    async def _housekeeping(self, now: float) -> None:
+        touch_every = self.settings.claim_idle_ms / 3000
+        if now - self._touched_at >= touch_every:
+            self._touched_at = now
+            await self._touch(now - touch_every)
+        if now - self._reclaimed_at >= self.settings.reclaim_interval_ms / 1000:
+            self._reclaimed_at = now
+            await self._drop_expired()
+            await self.reclaimer.sweep()
+
+    async def _drop_expired(self) -> None:
+        stamp = now_ms()
+        expired = self.queue.remove_if(lambda h: is_expired(h.item, stamp))
+        if expired:
+            await self.drop([(h, DropReason.DEADLINE, "") for h in expired])
+
+    async def _touch(self, older_than: float) -> None:
+        """Keep held entries from looking idle, so no replica reclaims what we still hold."""
+        stale = [h for h in self.queue if h.touched_at <= older_than]
+        by_stream: dict[str, list[Held]] = defaultdict(list)
+        for held in stale:
+            by_stream[held.stream].append(held)
+        now = time.monotonic()
+        for stream, helds in by_stream.items():
+            for i in range(0, len(helds), _TOUCH_CHUNK):
+                chunk = helds[i:i + _TOUCH_CHUNK]
+                lost = set(await self.scripts.touch(stream, keys.WORK_GROUP, self.consumer,
+                                                    [h.entry_id for h in chunk]))
+                for held in chunk:
+                    held.touched_at = now
+                if lost:
+                    gone = self.queue.remove_if(lambda h, s=stream: h.stream == s and h.entry_id in lost)
+                    metrics.CONFLICTS.labels(self.model).inc(len(gone))
+
+
+class _Budget:
+    """What one batch for one worker may still take: sequences, prompt tokens, KV blocks."""
+
+    def __init__(self, owner: ModelBatcher, cap: Capacity) -> None:
+        self.owner, self.cap = owner, cap
+        self.seqs = min(owner.limits.max_batch, cap.free_seqs)
+        self.tokens = 0
+        self.blocks = cap.free_blocks
+        self.largest_total = max((c.total_blocks for c in owner.pool.accepting(now_ms())), default=0)
+        self.now_ms = now_ms()
+        self.drops: dict[Held, tuple[Held, DropReason, str]] = {}
+
+    def admit(self, held: Held) -> bool:
+        if is_expired(held.item, self.now_ms):
+            self.drops[held] = (held, DropReason.DEADLINE, "")
+            return True
+        need = blocks_needed(held.item, self.cap.block_size, self.owner.settings.decode_reserve)
+        if self.largest_total and need > self.largest_total:
+            self.drops[held] = (held, DropReason.TOO_LARGE, f"needs {need} blocks, largest worker has "
+                                                           f"{self.largest_total}")
+            return True
+        if self.seqs <= 0 or need > self.blocks:
+            return False
+        first = self.tokens == 0
+        if not first and self.tokens + held.prompt_tokens > self.owner.limits.prefill_token_budget:
+            return False
+        self.seqs -= 1
+        self.blocks -= need
+        self.tokens += held.prompt_tokens
+        return True
+
+
+def _sources(batch: list[Held]) -> list[Source]:
+    by_stream: dict[str, list[str]] = defaultdict(list)
+    for held in batch:
+        by_stream[held.stream].append(held.entry_id)
+    return [Source(stream, keys.WORK_GROUP, ids) for stream, ids in by_stream.items()]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

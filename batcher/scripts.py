@@ -1,0 +1,120 @@
+"""Lua scripts: the only way the batcher moves items between streams.
+
+`dispatch` is the atomic hand-over: it checks that every source entry is still
+pending on *this* consumer (another replica may have reclaimed it), and only
+then XADDs the batch to the worker inbox and XACKs + XDELs the sources, all in
+one script. An item is therefore in exactly one place at any time: a work
+stream / dead inbox (pending) or a live worker's inbox. Every key it touches
+shares the `{m:<model>}` hash tag, so it runs unchanged on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+# KEYS: [1] target inbox  [2] inboxes set  [3..] source streams
+# ARGV: [1] batch bytes ('' = only ack the sources)  [2] target worker id  [3] inbox group
+#       [4] consumer  then per source: group, n, id_1 .. id_n
+# Returns {1, inbox entry id} or {0, {source index, id, ...}} for entries no longer ours.
+_DISPATCH = """
+local consumer = ARGV[4]
+local pos = 5
+local sources = {}
+for k = 3, #KEYS do
+  local group, n = ARGV[pos], tonumber(ARGV[pos + 1])
+  local ids = {}
+  for j = 1, n do ids[j] = ARGV[pos + 1 + j] end
+  pos = pos + 2 + n
+  sources[#sources + 1] = {KEYS[k], group, ids}
+end
+local lost = {}
+for s, src in ipairs(sources) do
+  for _, id in ipairs(src[3]) do
+    if #redis.call('XPENDING', src[1], src[2], id, id, 1, consumer) == 0 then
+      lost[#lost + 1] = s - 1
+      lost[#lost + 1] = id
+    end
+  end
+end
+if #lost > 0 then return {0, lost} end
+local entry = ''
+if ARGV[1] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[3], '0', 'MKSTREAM')
+  end
+  entry = redis.call('XADD', KEYS[1], '*', 'batch', ARGV[1])
+  redis.call('SADD', KEYS[2], ARGV[2])
+end
+for _, src in ipairs(sources) do
+  if #src[3] > 0 then
+    redis.call('XACK', src[1], src[2], unpack(src[3]))
+    redis.call('XDEL', src[1], unpack(src[3]))
+  end
+end
+return {1, entry}
+"""
+
+# KEYS: [1] stream   ARGV: [1] group [2] consumer [3..] ids
+# Resets the idle time of entries still pending on `consumer` (so no replica
+# reclaims items this one holds in its local queues); returns the ids it lost.
+_TOUCH = """
+local lost = {}
+for i = 3, #ARGV do
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2]) == 0 then
+    lost[#lost + 1] = ARGV[i]
+  else
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  end
+end
+return lost
+"""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Entries of one stream, pending on us in `group`, that a dispatch consumes."""
+
+    stream: str
+    group: str
+    ids: Sequence[str]
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    ok: bool
+    inbox_entry: str = ""
+    lost: tuple[tuple[str, str], ...] = ()   # (stream, id) no longer pending on us
+
+
+class Scripts:
+    """The batcher's Lua scripts registered on one client (EVALSHA with EVAL fallback)."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._dispatch = redis.register_script(_DISPATCH)
+        self._touch = redis.register_script(_TOUCH)
+
+    async def dispatch(self, inbox: str, inboxes: str, worker_id: str, inbox_group: str, consumer: str,
+                       sources: Sequence[Source], batch: bytes) -> DispatchResult:
+        """Move `sources` into `inbox` as one batch entry (or just ack them when `batch` is b'')."""
+        args: list[bytes | str | int] = [batch, worker_id, inbox_group, consumer]
+        for src in sources:
+            args += [src.group, len(src.ids), *src.ids]
+        keys = [inbox, inboxes, *(s.stream for s in sources)]
+        ok, payload = await self._dispatch(keys=keys, args=args)
+        if ok:
+            return DispatchResult(True, _text(payload))
+        lost = tuple((sources[int(payload[i])].stream, _text(payload[i + 1])) for i in range(0, len(payload), 2))
+        return DispatchResult(False, lost=lost)
+
+    async def touch(self, stream: str, group: str, consumer: str, ids: Sequence[str]) -> list[str]:
+        """Refresh our pending entries; returns the ids another consumer now owns."""
+        if not ids:
+            return []
+        return [_text(i) for i in await self._touch(keys=[stream], args=[group, consumer, *ids])]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

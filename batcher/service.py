@@ -1,0 +1,101 @@
+"""The batcher as a `llmserve.server.Service`: one batch loop per model.
+
+The gRPC server only carries health and reflection (an operator or the stack
+launcher waits for SERVING); all real work happens against Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from batcher import metrics
+from batcher.config import BatcherSettings
+from batcher.model_batcher import ModelBatcher
+from batcher.scripts import Scripts
+from llmserve import keys, redis_client
+from llmserve.v1 import queue_pb2
+
+logger = structlog.get_logger(__name__)
+
+
+class BatcherService:
+    """Starts a `ModelBatcher` per configured model and stops them gracefully.
+
+    Args:
+        settings: validated batcher settings.
+        redis: a client to use instead of connecting to `settings.redis_url` (tests).
+    """
+
+    service_names: tuple[str, ...] = ()
+
+    def __init__(self, settings: BatcherSettings, redis: aioredis.Redis | None = None) -> None:
+        self.settings = settings
+        self.consumer = settings.consumer_name()
+        self._redis = redis
+        self._own_redis = redis is None
+        self.models: dict[str, ModelBatcher] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Nothing beyond health and reflection."""
+
+    async def start(self) -> None:
+        if self._redis is None:
+            self._redis = redis_client.connect(self.settings.redis_url, self.settings.redis_password)
+        scripts = Scripts(self._redis)
+        for model in self.settings.model_list():
+            batcher = ModelBatcher(self._redis, scripts, self.settings, model, self.consumer)
+            await batcher.ensure_groups()
+            self.models[model] = batcher
+            self._tasks.append(asyncio.create_task(batcher.run(), name=f"batch-{model}"))
+        self._tasks.append(asyncio.create_task(self._stats_loop(), name="batcher-stats"))
+        logger.info("batcher started", consumer=self.consumer, models=list(self.models),
+                    limits={m: vars(b.limits) for m, b in self.models.items()})
+
+    async def drain(self) -> None:
+        """Stop reading; each loop finishes its batch in hand and flushes what it holds."""
+        for batcher in self.models.values():
+            batcher.stop_reading()
+        stats = self._tasks.pop()
+        stats.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(stats, return_exceptions=True)
+
+    async def close(self) -> None:
+        if self._own_redis and self._redis is not None:
+            await self._redis.aclose()
+
+    async def _stats_loop(self) -> None:
+        while True:
+            for model in self.models:
+                try:
+                    await self._publish_depth(model)
+                except (RedisError, OSError) as exc:
+                    logger.debug("stats refresh failed", error=repr(exc))
+            await asyncio.sleep(self.settings.stats_interval_ms / 1000)
+
+    async def _publish_depth(self, model: str) -> None:
+        """Depth = pending (read, not dispatched) + lag (not read); age from the oldest entry."""
+        now_ms = int(time.time() * 1000)
+        metrics.HELD.labels(model).set(len(self.models[model].queue))
+        for priority in keys.PRIORITY_ORDER:
+            stream, label = keys.work_stream(model, priority), keys.priority_name(priority)
+            groups = {_text(g["name"]): g for g in await self._redis.xinfo_groups(stream)}
+            group = groups.get(keys.WORK_GROUP, {})
+            metrics.QUEUE_DEPTH.labels(model, label).set((group.get("pending") or 0) + (group.get("lag") or 0))
+            first = await self._redis.xrange(stream, "-", "+", count=1)
+            age = 0.0
+            if first:
+                item = queue_pb2.WorkItem.FromString(first[0][1][b"item"])
+                age = max(0.0, (now_ms - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0
+            metrics.QUEUE_AGE.labels(model, label).set(age)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

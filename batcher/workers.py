@@ -1,0 +1,104 @@
+"""Worker capacity as the batcher sees it: heartbeats minus what it sent since.
+
+A heartbeat says how many KV blocks and sequence slots a worker had free when
+it was sent. Between heartbeats the batcher keeps a local ledger of what it
+dispatched to each worker, so it never sends more than the worker can admit:
+
+    free = heartbeat.free_blocks - sum(blocks of batches sent after heartbeat - grace)
+
+A reservation is dropped once a heartbeat at least `grace_ms` newer than the
+dispatch arrives (by then the worker has read its inbox and counts the batch
+itself). Each replica keeps its own ledger, so two replicas may both fill the
+same free space within one heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from llmserve.v1 import queue_pb2
+
+# When a worker does not report max_running, sequence slots are not the limit.
+_UNBOUNDED = 1 << 30
+
+
+@dataclass(frozen=True)
+class Capacity:
+    worker_id: str
+    free_blocks: int
+    free_seqs: int
+    block_size: int
+    total_blocks: int
+
+
+@dataclass
+class _Reservation:
+    sent_unix_ms: int
+    blocks: int
+    seqs: int
+
+
+@dataclass
+class _Worker:
+    heartbeat: queue_pb2.WorkerHeartbeat
+    reservations: list[_Reservation] = field(default_factory=list)
+
+
+def blocks_needed(item: queue_pb2.WorkItem, block_size: int, decode_reserve: float) -> int:
+    """KV blocks an item needs at admission: its context plus a share of max_new_tokens."""
+    if block_size <= 0:
+        return 0
+    context = len(item.prompt_token_ids) + len(item.generated_token_ids)
+    decode = math.ceil(item.sampling.max_new_tokens * decode_reserve)
+    return math.ceil((context + decode) / block_size)
+
+
+class WorkerPool:
+    """Live workers of one model and their remaining capacity.
+
+    Args:
+        heartbeat_ttl_ms: a heartbeat older than this marks the worker silent.
+        grace_ms: see the module docstring.
+    """
+
+    def __init__(self, heartbeat_ttl_ms: int, grace_ms: int) -> None:
+        self.heartbeat_ttl_ms = heartbeat_ttl_ms
+        self.grace_ms = grace_ms
+        self._workers: dict[str, _Worker] = {}
+
+    def update(self, heartbeats: dict[str, queue_pb2.WorkerHeartbeat]) -> None:
+        """Replace the view with freshly read heartbeats; keep still-open reservations."""
+        workers = {}
+        for worker_id, hb in heartbeats.items():
+            known = self._workers.get(worker_id)
+            reservations = known.reservations if known else []
+            cutoff = hb.sent_unix_ms - self.grace_ms
+            workers[worker_id] = _Worker(hb, [r for r in reservations if r.sent_unix_ms > cutoff])
+        self._workers = workers
+
+    def is_alive(self, worker_id: str, now_ms: int) -> bool:
+        """Recent heartbeat (draining or not): its inbox is being served."""
+        worker = self._workers.get(worker_id)
+        return worker is not None and now_ms - worker.heartbeat.sent_unix_ms <= self.heartbeat_ttl_ms
+
+    def accepting(self, now_ms: int) -> list[Capacity]:
+        """Workers that may get new batches (alive, not draining), most free blocks first."""
+        caps = [self._capacity(wid, w) for wid, w in self._workers.items()
+                if self.is_alive(wid, now_ms) and not w.heartbeat.draining]
+        return sorted(caps, key=lambda c: (-c.free_blocks, -c.free_seqs, c.worker_id))
+
+    def best(self, now_ms: int) -> Capacity | None:
+        """The accepting worker with the most free capacity that can take at least one sequence."""
+        return next((c for c in self.accepting(now_ms) if c.free_seqs > 0 and c.free_blocks > 0), None)
+
+    def reserve(self, worker_id: str, blocks: int, seqs: int, now_ms: int) -> None:
+        self._workers[worker_id].reservations.append(_Reservation(now_ms, blocks, seqs))
+
+    def _capacity(self, worker_id: str, worker: _Worker) -> Capacity:
+        hb = worker.heartbeat
+        reserved_blocks = sum(r.blocks for r in worker.reservations)
+        reserved_seqs = sum(r.seqs for r in worker.reservations)
+        slots = hb.max_running - hb.running - hb.waiting if hb.max_running else _UNBOUNDED
+        return Capacity(worker_id, hb.free_blocks - reserved_blocks, slots - reserved_seqs,
+                        hb.block_size, hb.total_blocks)
