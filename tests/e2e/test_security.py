@@ -1,0 +1,214 @@
+"""Security: tenant isolation of request ids, no secrets in logs, Redis password, gRPC TLS.
+
+One stack of its own (tests/data/tenants.test.yaml, a password-protected Valkey,
+TLS on the gateway) serves every test here; the log check runs last.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmserve.stack import Stack, StackConfig
+from llmserve.v1 import inference_pb2 as pb
+from llmserve.v1 import inference_pb2_grpc
+from llmserve.valkey import ValkeyServer
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+TENANTS = Path(__file__).resolve().parents[1] / "data" / "tenants.test.yaml"
+KEYS = {"dev": "dev-key", "other": "other-key", "fuzz": "fuzz-key", "restricted": "restricted-key"}
+WRONG_KEY = "wrong-key-9f27c4d1e8"
+REDIS_PASSWORD = "redis-pw-5b0e7a13c4"
+LONG_PROMPT = [pb.ChatMessage(role="user", content="Count from 1 to 300, one number per line.")]
+
+
+def auth(tenant: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {KEYS.get(tenant, tenant)}"),)
+
+
+def make_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed EC certificate for localhost / 127.0.0.1 (openssl CLI)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def tls_channel(target: str, root_cert: bytes) -> grpc.Channel:
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root_cert))
+
+
+def wait_serving_tls(target: str, root_cert: bytes, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with tls_channel(target, root_cert) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, "TLS gateway not SERVING in time"
+            time.sleep(0.2)
+
+
+class SecureStack:
+    def __init__(self, stack: Stack, valkey: ValkeyServer, root_cert: bytes, target: str) -> None:
+        self.stack, self.valkey, self.root_cert, self.target = stack, valkey, root_cert, target
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("secure-stack")
+    cert, key = make_cert(directory)
+    valkey = ValkeyServer(password=REDIS_PASSWORD).start()
+    config = StackConfig(workers=1, device="cpu", port=0, gateways=0, tenants=TENANTS, redis_url=valkey.url,
+                         log_dir=directory / "logs",
+                         extra_flags={"gateway": ["--tls-cert", str(cert), "--tls-key", str(key)]})
+    stack = Stack(config)
+    try:
+        stack.start()
+        # Stack.start() health-checks over plaintext; the TLS gateway is started and checked here.
+        gateway = stack.start_gateway()
+        wait_serving_tls(gateway.target, cert.read_bytes())
+        yield SecureStack(stack, valkey, cert.read_bytes(), gateway.target)
+    finally:
+        stack.close()
+        valkey.close()
+
+
+@pytest.fixture(scope="module")
+def inference(secure):
+    channel = tls_channel(secure.target, secure.root_cert)
+    yield inference_pb2_grpc.InferenceStub(channel)
+    channel.close()
+
+
+def greedy(max_new_tokens: int) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+
+
+def rpc_code(fn, *args, **kwargs) -> grpc.StatusCode:
+    try:
+        fn(*args, **kwargs)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+# -- TLS and Redis password --------------------------------------------------------------------------
+def test_tls_gateway_on_password_redis_serves_a_request(inference):
+    reply = inference.Complete(pb.GenerateRequest(prompt="The capital of France is", sampling=greedy(4)),
+                               metadata=auth("dev"), timeout=120)
+    assert reply.usage.completion_tokens == len(reply.token_ids) >= 1
+
+
+def test_plaintext_client_cannot_talk_to_the_tls_gateway(secure):
+    with grpc.insecure_channel(secure.target) as channel:
+        code = rpc_code(inference_pb2_grpc.InferenceStub(channel).ListModels, pb.ListModelsRequest(),
+                        metadata=auth("dev"), timeout=10)
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_that_does_not_trust_the_cert_is_refused(secure, tmp_path):
+    stranger, _ = make_cert(tmp_path)
+    with tls_channel(secure.target, stranger.read_bytes()) as channel:
+        code = rpc_code(inference_pb2_grpc.InferenceStub(channel).ListModels, pb.ListModelsRequest(),
+                        metadata=auth("dev"), timeout=10)
+    assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_redis_refuses_clients_without_the_password(secure):
+    anonymous = redis.Redis(host="127.0.0.1", port=secure.valkey.port)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        anonymous.ping()
+    anonymous.close()
+    with redis.Redis(host="127.0.0.1", port=secure.valkey.port, password=REDIS_PASSWORD) as client:
+        assert any(k.startswith(b"llmserve:") for k in client.scan_iter(count=1000))
+
+
+# -- tenant isolation of request ids -----------------------------------------------------------------
+def test_other_tenant_cannot_cancel_a_request(inference):
+    stream = inference.Generate(pb.GenerateRequest(messages=LONG_PROMPT, sampling=greedy(48),
+                                                   request_id="sec-cancel-1"), metadata=auth("dev"), timeout=300)
+    first = next(stream)
+    assert first.request_id == "sec-cancel-1"
+    assert rpc_code(inference.Cancel, pb.CancelRequest(request_id="sec-cancel-1"), metadata=auth("other"),
+                    timeout=30) == grpc.StatusCode.NOT_FOUND
+    rest = list(stream)
+    assert (rest or [first])[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    # Finished or not, the id stays unknown to the other tenant.
+    assert rpc_code(inference.Cancel, pb.CancelRequest(request_id="sec-cancel-1"), metadata=auth("other"),
+                    timeout=30) == grpc.StatusCode.NOT_FOUND
+
+
+def test_owner_can_cancel_its_own_request(inference):
+    """Control for the test above: the same Cancel from the owner is accepted."""
+    stream = inference.Generate(pb.GenerateRequest(messages=LONG_PROMPT, sampling=greedy(256),
+                                                   request_id="sec-cancel-2"), metadata=auth("dev"), timeout=300)
+    next(stream)
+    inference.Cancel(pb.CancelRequest(request_id="sec-cancel-2"), metadata=auth("dev"), timeout=30)
+    chunks = list(stream)
+    assert chunks and chunks[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+
+
+def test_unknown_request_id_cannot_be_cancelled(inference):
+    assert rpc_code(inference.Cancel, pb.CancelRequest(request_id="sec-never-used"), metadata=auth("dev"),
+                    timeout=30) == grpc.StatusCode.NOT_FOUND
+
+
+def resumed(inference, tenant: str, request_id: str, resume_from: int, prompt: str) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(prompt=prompt, sampling=greedy(8), request_id=request_id)
+    metadata = (*auth(tenant), ("x-resume-from", str(resume_from)))
+    return list(inference.Generate(request, metadata=metadata, timeout=120))
+
+
+def test_other_tenant_cannot_resume_a_request(inference):
+    owner = inference.Complete(pb.GenerateRequest(prompt="The capital of France is", sampling=greedy(8),
+                                                  request_id="sec-resume-1"), metadata=auth("dev"), timeout=120)
+    assert len(owner.token_ids) >= 3
+    # Control: the owner re-attaches and gets the rest of its own tokens from index 2.
+    again = resumed(inference, "dev", "sec-resume-1", 2, "The capital of France is")
+    assert again[0].index == 2
+    assert [t for c in again for t in c.token_ids] == list(owner.token_ids[2:])
+    # The other tenant, same id and a different prompt: never the owner's stream.
+    own = inference.Complete(pb.GenerateRequest(prompt="Three primary colors are", sampling=greedy(8)),
+                             metadata=auth("other"), timeout=120)
+    assert list(own.token_ids) != list(owner.token_ids)
+    try:
+        theirs = resumed(inference, "other", "sec-resume-1", 0, "Three primary colors are")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.NOT_FOUND
+    else:  # a fresh request of its own tenant, not a re-attach to the owner's
+        assert [t for c in theirs for t in c.token_ids] == list(own.token_ids)
+
+
+def test_tenant_without_the_model_is_denied(inference):
+    assert rpc_code(inference.Complete, pb.GenerateRequest(prompt="hi", sampling=greedy(2)),
+                    metadata=auth("restricted"), timeout=60) == grpc.StatusCode.PERMISSION_DENIED
+
+
+# -- secrets in logs (keep last: it greps what the calls above logged) --------------------------------
+def test_api_keys_and_redis_password_never_reach_the_logs(secure, inference):
+    for tenant in (*KEYS, WRONG_KEY):
+        for call, request in ((inference.Complete, pb.GenerateRequest(prompt="Hello", sampling=greedy(2))),
+                              (inference.ListModels, pb.ListModelsRequest()),
+                              (inference.Cancel, pb.CancelRequest(request_id="sec-log-probe"))):
+            rpc_code(call, request, metadata=auth(tenant), timeout=60)
+    logs = sorted(secure.stack.log_dir.glob("*.log"))
+    names = {p.stem for p in logs}
+    assert {"gateway-0", "tokenizer_svc", "batcher", "gpu_worker-0"} <= names
+    assert secure.stack.services["gateway-0"].log_path.stat().st_size > 0
+    secrets = [*KEYS.values(), WRONG_KEY, REDIS_PASSWORD]
+    leaks = [(p.name, s) for p in logs for s in secrets if s in p.read_text(errors="replace")]
+    assert leaks == []
