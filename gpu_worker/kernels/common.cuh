@@ -27,40 +27,54 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // Round-trip through T: the value a T store followed by a load would give.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
 
-// ---- 16-byte vectors: 8 half-precision elements moved in one LDG.128/STG.128 ----
-constexpr int VEC_BYTES = 16;
-template <typename T> struct Vec { static constexpr int N = VEC_BYTES / sizeof(T); };
+// ---- 8-element chunks moved with 16-byte accesses (LDG.128/STG.128) ----
+// A chunk is 8 elements: one 16-byte vector for fp16/bf16, two for fp32. Pointers must be
+// 16-byte aligned (row sizes divisible by 8 elements).
+template <typename T>
+struct Chunk8 {
+  static constexpr int VECS = sizeof(T) * 8 / 16;
+  uint4 r[VECS];
+};
 
-// Load 8 fp16/bf16 elements (16-byte aligned) and widen them to fp32.
+// Raw load, widened later: lets several loads be in flight before first use.
+template <typename T>
+__device__ __forceinline__ Chunk8<T> load_chunk(const T* __restrict__ src) {
+  Chunk8<T> c;
+#pragma unroll
+  for (int i = 0; i < Chunk8<T>::VECS; ++i) c.r[i] = reinterpret_cast<const uint4*>(src)[i];
+  return c;
+}
+
+template <typename T>
+__device__ __forceinline__ Chunk8<T> zero_chunk() {
+  Chunk8<T> c;
+#pragma unroll
+  for (int i = 0; i < Chunk8<T>::VECS; ++i) c.r[i] = make_uint4(0, 0, 0, 0);
+  return c;
+}
+
+template <typename T>
+__device__ __forceinline__ void widen8(const Chunk8<T>& c, float (&dst)[8]) {
+  const T* e = reinterpret_cast<const T*>(c.r);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dst[i] = to_float(e[i]);
+}
+
+// Load 8 elements and widen them to fp32.
 template <typename T>
 __device__ __forceinline__ void load8(const T* __restrict__ src, float (&dst)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) dst[i] = to_float(e[i]);
+  widen8<T>(load_chunk(src), dst);
 }
 
-// Raw 16-byte load, widened later: lets several loads be in flight before first use.
-template <typename T>
-__device__ __forceinline__ uint4 load_raw(const T* __restrict__ src) {
-  return *reinterpret_cast<const uint4*>(src);
-}
-
-template <typename T>
-__device__ __forceinline__ void widen8(const uint4& raw, float (&dst)[8]) {
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) dst[i] = to_float(e[i]);
-}
-
-// Narrow 8 fp32 values to T and store them as one 16-byte vector.
+// Narrow 8 fp32 values to T and store them with 16-byte accesses.
 template <typename T>
 __device__ __forceinline__ void store8(T* __restrict__ dst, const float (&src)[8]) {
-  uint4 raw;
-  T* e = reinterpret_cast<T*>(&raw);
+  Chunk8<T> c;
+  T* e = reinterpret_cast<T*>(c.r);
 #pragma unroll
   for (int i = 0; i < 8; ++i) e[i] = from_float<T>(src[i]);
-  *reinterpret_cast<uint4*>(dst) = raw;
+#pragma unroll
+  for (int i = 0; i < Chunk8<T>::VECS; ++i) reinterpret_cast<uint4*>(dst)[i] = c.r[i];
 }
 
 // ---- reductions ----

@@ -1,6 +1,6 @@
 // KV cache write: token t's K/V rows go to flat cache slot slot_mapping[t]
 // (= block * block_size + offset, so the row offset is slot * num_kv_heads * head_dim); -1 skips.
-// One CTA per token; VEC = 8 moves 16-byte vectors (needs head_dim % 8 == 0, 16-byte aligned rows).
+// One CTA per token; VEC = 8 moves 8-element chunks with 16-byte accesses (head_dim % 8 == 0, aligned rows).
 #include "common.cuh"
 
 namespace llmserve {
@@ -8,7 +8,9 @@ namespace llmserve {
 template <typename T, int VEC>
 __device__ __forceinline__ void copy_vec(T* __restrict__ dst, const T* __restrict__ src) {
   if constexpr (VEC == 8) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    const Chunk8<T> c = load_chunk(src);
+#pragma unroll
+    for (int i = 0; i < Chunk8<T>::VECS; ++i) reinterpret_cast<uint4*>(dst)[i] = c.r[i];
   } else {
 #pragma unroll
     for (int e = 0; e < VEC; ++e) dst[e] = src[e];

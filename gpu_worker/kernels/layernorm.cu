@@ -1,5 +1,5 @@
 // RMSNorm and fused residual-add + RMSNorm: one CTA per token row, fp32 statistics.
-// VEC = 8 moves 16-byte vectors (needs hidden % 8 == 0 and 2-byte T); VEC = 1 is the scalar path.
+// VEC = 8 moves 8-element chunks with 16-byte accesses (needs hidden % 8 == 0); VEC = 1 is scalar.
 #include "common.cuh"
 
 namespace llmserve {

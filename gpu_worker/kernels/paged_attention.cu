@@ -9,7 +9,7 @@
 //                        paged_decode_reduce_kernel merges the partitions.
 //
 // Inside a CTA, warps take KV blocks round robin. Inside a warp, L = LANES_PER_TOKEN lanes share a
-// token: each lane holds VECS_PER_LANE 16-byte chunks of its K/V row (coalesced: the L lanes read
+// token: each lane holds VECS_PER_LANE 8-element chunks (16 bytes in fp16/bf16) of its K/V row (coalesced: the L lanes read
 // the token's HEAD_DIM contiguous elements), so a warp covers TOKENS_PER_WARP tokens per load.
 //
 //   lane:   0 .. L-1 | L .. 2L-1 | ...        chunk of head_dim held by lane: (lane % L) + v * L
@@ -23,7 +23,7 @@ namespace llmserve {
 
 template <int HEAD_DIM, int GROUP_MAX>
 struct DecodeLayout {
-  static constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per K/V row
+  static constexpr int CHUNKS = HEAD_DIM / 8;  // 8-element chunks per K/V row
   // Two chunks per lane halve the shuffle reduction, but cost registers; use them while
   // GROUP_MAX * HEAD_DIM stays small enough to avoid spills.
   static constexpr int VECS_PER_LANE = (GROUP_MAX * HEAD_DIM < 256) ? 2 : 1;
@@ -62,7 +62,7 @@ __device__ __forceinline__ void merge_from_lane(SoftmaxState<GROUP_MAX, VPL>& s,
 // This lane's 16-byte chunks of its TPL token rows of one KV block; rows past the context read as 0.
 template <typename T, int TPL, int VPL, int TPW, int L>
 __device__ __forceinline__ void load_block_rows(
-    uint4 (&dst)[TPL][VPL],
+    Chunk8<T> (&dst)[TPL][VPL],
     const T* __restrict__ cache,     // [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
     const long long base,            // element offset of (block, token 0, kv head)
     const long long token_stride,    // num_kv_heads * HEAD_DIM
@@ -73,7 +73,7 @@ __device__ __forceinline__ void load_block_rows(
     const bool valid = first_token + t < context_len;
 #pragma unroll
     for (int v = 0; v < VPL; ++v)
-      dst[j][v] = valid ? load_raw(cache + base + t * token_stride + (sub + v * L) * 8) : make_uint4(0, 0, 0, 0);
+      dst[j][v] = valid ? load_chunk(cache + base + t * token_stride + (sub + v * L) * 8) : zero_chunk<T>();
   }
 }
 
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE) paged_decode_kernel(
     const int first_token = blk * BLOCK_SIZE;
 
     // 2a: issue the block's K (and V) loads before the first use (memory-level parallelism).
-    uint4 k_raw[TPL][VPL], v_raw[TPL][VPL];
+    Chunk8<T> k_raw[TPL][VPL], v_raw[TPL][VPL];
     load_block_rows<T, TPL, VPL, TPW, L>(k_raw, k_cache, base, token_stride, first_token, context_len, tg, sub);
     if (EARLY_V)
       load_block_rows<T, TPL, VPL, TPW, L>(v_raw, v_cache, base, token_stride, first_token, context_len, tg, sub);

@@ -1,0 +1,387 @@
+"""CUDA backend of the ops contract: CuPy RawKernels (NVRTC) run on torch tensors.
+
+Same signatures and semantics as `reference.py` (contract: the module docstring there). Tensors
+cross into CuPy through DLPack without copies, and every kernel is launched on torch's current
+stream, so a decode step built from these ops can be captured in a CUDA graph (no host syncs on
+the decode path: launch plans depend only on tensor shapes).
+
+CuPy is imported on first launch, not at import time: the launch planning and the gather + SDPA
+prefill path are plain Python/torch and are unit-tested on CPU.
+
+Shapes: T = tokens, Hq/Hk = query/kv heads, D = head_dim, B = decoding sequences.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+NVRTC_OPTIONS = ("--std=c++17",)
+CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+HALF_TYPES = (torch.float16, torch.bfloat16)
+KERNEL_TYPES = (*HALF_TYPES, torch.float32)
+
+# Paged decode attention launch constants (see paged_attention.cu).
+DECODE_WARPS = 4
+DECODE_HEAD_DIMS = (64, 128)  # others fall back to the torch reference (correct, not fast)
+MIN_PARTITION_TOKENS = 256   # a split-K partition shorter than this does not pay for the reduce
+SPLIT_BELOW_CTAS_PER_SM = 2  # split when the plain grid has fewer CTAs than this many per SM
+SPLIT_TARGET_CTAS_PER_SM = 4
+
+
+# ---------------------------------------------------------------- launch planning (pure Python)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How paged_decode_attention is launched; a function of shapes only (CUDA-graph safe)."""
+
+    group_max: int         # query heads per CTA (template GROUP_MAX: 1, 2, 4 or 8)
+    group_chunks: int      # CTAs per kv head: ceil(group_size / group_max)
+    num_partitions: int    # split-K partitions of the context (1 = no split, no reduce kernel)
+    partition_blocks: int  # KV blocks per partition
+
+    def grid(self, num_seqs: int, num_kv_heads: int) -> tuple[int, int, int]:
+        return (num_kv_heads * self.group_chunks, num_seqs, self.num_partitions)
+
+
+def group_max_for(group_size: int) -> int:
+    """Smallest compiled GROUP_MAX >= group_size (groups above 8 are split over CTAs)."""
+    for cap in (1, 2, 4, 8):
+        if group_size <= cap:
+            return cap
+    return 8
+
+
+def plan_decode(num_seqs: int, num_kv_heads: int, group_size: int, max_blocks: int, block_size: int,
+                num_sms: int) -> DecodePlan:
+    """Choose split-K: only when the plain grid (seq x kv-head CTAs) leaves SMs idle and the
+    block table is long enough for partitions of at least MIN_PARTITION_TOKENS."""
+    group_max = group_max_for(group_size)
+    chunks = -(-group_size // group_max)
+    base_ctas = max(1, num_seqs * num_kv_heads * chunks)
+    max_parts = (max_blocks * block_size) // MIN_PARTITION_TOKENS
+    if base_ctas >= SPLIT_BELOW_CTAS_PER_SM * num_sms or max_parts < 2:
+        return DecodePlan(group_max, chunks, 1, max(1, max_blocks))
+    wanted = -(-SPLIT_TARGET_CTAS_PER_SM * num_sms // base_ctas)
+    parts = max(1, min(wanted, max_parts))
+    partition_blocks = -(-max_blocks // parts)
+    return DecodePlan(group_max, chunks, -(-max_blocks // partition_blocks), partition_blocks)
+
+
+def decode_kernel_supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+    """The compiled layouts need head_dim 64/128 and a block size divisible by 8 tokens."""
+    return head_dim in DECODE_HEAD_DIMS and block_size % 8 == 0 and dtype in KERNEL_TYPES
+
+
+def vec_width(dtype: torch.dtype, *sizes: int) -> int:
+    """8-element chunks (16-byte accesses) for rows whose sizes divide by 8, else 1 element."""
+    return 8 if all(s % 8 == 0 for s in sizes) else 1
+
+
+def norm_warps(hidden: int, vec: int) -> int:
+    return 8 if hidden // vec >= 256 else 4
+
+
+def decode_kernel_name(dtype: torch.dtype, head_dim: int, block_size: int, group_max: int) -> str:
+    return f"llmserve::paged_decode_kernel<{CTYPE[dtype]}, {head_dim}, {block_size}, {group_max}, {DECODE_WARPS}>"
+
+
+def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    return f"llmserve::paged_decode_reduce_kernel<{CTYPE[dtype]}, {head_dim}>"
+
+
+def norm_kernel_name(fused: bool, dtype: torch.dtype, wdtype: torch.dtype, vec: int, warps: int) -> str:
+    name = "fused_add_rms_norm_kernel" if fused else "rms_norm_kernel"
+    return f"llmserve::{name}<{CTYPE[dtype]}, {CTYPE[wdtype]}, {vec}, {warps}>"
+
+
+def hot_name_expressions() -> dict[str, list[str]]:
+    """Kernel instantiations per .cu file that the compile test builds ahead of time with nvcc
+    (at run time NVRTC instantiates whichever variant a call needs)."""
+    attn = []
+    for dtype in HALF_TYPES:
+        for head_dim in (64, 128):
+            attn += [decode_kernel_name(dtype, head_dim, 16, g) for g in (1, 2, 4, 8)]
+            attn.append(reduce_kernel_name(dtype, head_dim))
+    norms, act, rope, kv = [], [], [], []
+    for dtype in HALF_TYPES:
+        t = CTYPE[dtype]
+        for fused in (False, True):
+            norms += [norm_kernel_name(fused, dtype, w, 8, 8) for w in (dtype, torch.float32)]
+        act.append(f"llmserve::silu_and_mul_kernel<{t}, 8>")
+        rope += [f"llmserve::rotary_kernel<{t}, {'true' if i else 'false'}>" for i in (True, False)]
+        kv.append(f"llmserve::write_kv_cache_kernel<{t}, 8>")
+    return {"paged_attention.cu": attn, "layernorm.cu": norms, "activation.cu": act,
+            "rotary.cu": rope, "kv_cache.cu": kv}
+
+
+def kernel_source(filename: str) -> str:
+    """A .cu file with common.cuh inlined, so NVRTC needs no include path."""
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    return (KERNEL_DIR / filename).read_text().replace('#include "common.cuh"', common)
+
+
+# ---------------------------------------------------------------- CuPy bridge
+
+
+@functools.cache
+def _cp():
+    import cupy  # deferred: importing this module must not need CuPy
+
+    return cupy
+
+
+@functools.cache
+def _kernel(filename: str, name_expression: str):
+    """Compile (NVRTC, cached by CuPy on disk too) one template instantiation."""
+    cp = _cp()
+    module = cp.RawModule(code=kernel_source(filename), options=NVRTC_OPTIONS,
+                          name_expressions=(name_expression,))
+    return module.get_function(name_expression)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@contextmanager
+def _on_torch_stream(device: torch.device):
+    """CuPy's current device and stream = torch's, so launches order with torch's work (and graphs)."""
+    cp = _cp()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with cp.cuda.Device(index):
+        with cp.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream, index):
+            yield
+
+
+def _arr(t: torch.Tensor):
+    """Zero-copy CuPy view of a torch tensor (half types viewed as int16: kernels take raw pointers)."""
+    if t.dtype in HALF_TYPES:
+        t = t.view(torch.int16)
+    return _cp().from_dlpack(t)
+
+
+def _launch(filename: str, name: str, grid, block, *args) -> None:
+    """Launch on torch's current stream; tensors go through DLPack, scalars must be numpy-typed."""
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    with _on_torch_stream(device):
+        kernel_args = tuple(_arr(a) if isinstance(a, torch.Tensor) else a for a in args)
+        _kernel(filename, name)(tuple(grid), tuple(block), kernel_args)
+
+
+def _i32(x: int) -> np.int32:
+    return np.int32(x)
+
+
+def _i64(x: int) -> np.int64:
+    return np.int64(x)
+
+
+def _f32(x: float) -> np.float32:
+    return np.float32(x)
+
+
+def _threads(work: int, cap: int = 256) -> int:
+    """Threads for `work` parallel items: a multiple of 32, at most cap."""
+    return max(32, min(cap, -(-work // 32) * 32))
+
+
+# ---------------------------------------------------------------- ops
+
+
+def _norm_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weights stay in their dtype when it is x's or fp32 (both compiled); anything else -> fp32."""
+    return weight.contiguous() if weight.dtype in (dtype, torch.float32) else weight.float().contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H], weight: [H] -> [T, H] (fp32 statistics, cast back to x.dtype)."""
+    x = x.contiguous()
+    weight = _norm_weight(weight, x.dtype)
+    out = torch.empty_like(x)
+    tokens, hidden = x.shape
+    vec = vec_width(x.dtype, hidden)
+    warps = norm_warps(hidden, vec)
+    if tokens:
+        _launch("layernorm.cu", norm_kernel_name(False, x.dtype, weight.dtype, vec, warps), (tokens,),
+                (warps * 32,), out, x, weight, _i32(hidden), _f32(eps))
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, H] -> (rms_norm(x + residual) [T, H], x + residual [T, H])."""
+    x, residual = x.contiguous(), residual.to(x.dtype).contiguous()
+    weight = _norm_weight(weight, x.dtype)
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    tokens, hidden = x.shape
+    vec = vec_width(x.dtype, hidden)
+    warps = norm_warps(hidden, vec)
+    if tokens:
+        _launch("layernorm.cu", norm_kernel_name(True, x.dtype, weight.dtype, vec, warps), (tokens,),
+                (warps * 32,), out, residual_out, x, residual, weight, _i32(hidden), _f32(eps))
+    return out, residual_out
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T] int64, q: [T, Hq, D], k: [T, Hk, D] (strided views allowed), cos_sin: [max_pos, D]
+    fp32 -> (q_rot [T, Hq, D], k_rot [T, Hk, D]) contiguous."""
+    q, k = _last_dim_dense(q), _last_dim_dense(k).to(q.dtype)
+    tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(
+        k.shape, dtype=q.dtype, device=q.device)
+    if tokens:
+        name = f"llmserve::rotary_kernel<{CTYPE[q.dtype]}, {'true' if interleaved else 'false'}>"
+        _launch("rotary.cu", name, (tokens,), (_threads(max(num_heads, num_kv_heads) * head_dim // 2),),
+                q_out, k_out, q, k, positions.to(torch.int64).contiguous(), cos_sin.float().contiguous(),
+                _i64(q.stride(0)), _i64(q.stride(1)), _i64(k.stride(0)), _i64(k.stride(1)),
+                _i32(num_heads), _i32(num_kv_heads), _i32(head_dim))
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:]  [T, I]."""
+    x = x.contiguous()
+    tokens, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((tokens, inter), dtype=x.dtype, device=x.device)
+    vec = vec_width(x.dtype, inter)
+    threads = _threads(inter // vec)
+    col_chunks = -(-inter // (threads * vec))
+    if tokens:
+        _launch("activation.cu", f"llmserve::silu_and_mul_kernel<{CTYPE[x.dtype]}, {vec}>",
+                (tokens, col_chunks), (threads,), out, x, _i32(inter))
+    return out
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [T, Hk, D] (strided views allowed) written in place into k_cache, v_cache:
+    [num_blocks, block_size, Hk, D] at flat slot slot_mapping[t]; slot -1 is skipped."""
+    dtype = k_cache.dtype
+    k, v = _last_dim_dense(k.to(dtype)), _last_dim_dense(v.to(dtype))
+    tokens, num_kv_heads, head_dim = k.shape
+    vec = vec_width(dtype, head_dim)
+    if vec == 8 and not (_aligned16(k) and _aligned16(v)):
+        k, v = k.contiguous(), v.contiguous()
+    if tokens:
+        _launch("kv_cache.cu", f"llmserve::write_kv_cache_kernel<{CTYPE[dtype]}, {vec}>", (tokens,),
+                (_threads(num_kv_heads * head_dim // vec),), k_cache, v_cache, k, v,
+                slot_mapping.to(torch.int64).contiguous(), _i64(k.stride(0)), _i64(k.stride(1)),
+                _i64(v.stride(0)), _i64(v.stride(1)), _i32(num_kv_heads), _i32(head_dim))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its paged context; GQA, fp32 accumulation, split-K when the
+    grid would leave SMs idle. q: [B, Hq, D], k_cache/v_cache: [num_blocks, bs, Hk, D],
+    block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> [B, Hq, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if not decode_kernel_supports(head_dim, block_size, q.dtype) or k_cache.dtype != q.dtype:
+        from gpu_worker.ops import reference
+
+        return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV cache must be contiguous"
+    q = q.contiguous()
+    group = num_heads // num_kv_heads
+    block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    max_blocks = block_tables.shape[1]
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    plan = plan_decode(num_seqs, num_kv_heads, group, max_blocks, block_size, _num_sms(q.device.index or 0))
+    parts = plan.num_partitions
+    part_acc = torch.empty((num_seqs, num_heads, parts, head_dim) if parts > 1 else (1,),
+                           dtype=torch.float32, device=q.device)
+    part_max = torch.empty((num_seqs, num_heads, parts) if parts > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    _launch("paged_attention.cu", decode_kernel_name(q.dtype, head_dim, block_size, plan.group_max),
+            plan.grid(num_seqs, num_kv_heads), (DECODE_WARPS * 32,),
+            out, part_acc, part_max, part_sum, q, k_cache, v_cache, block_tables,
+            context_lens, _i32(max_blocks), _i32(num_kv_heads), _i32(group), _i32(plan.partition_blocks),
+            _i32(parts), _f32(scale * math.log2(math.e)))
+    if parts > 1:
+        _launch("paged_attention.cu", reduce_kernel_name(q.dtype, head_dim), (num_heads, num_seqs), (head_dim,),
+                out, part_acc, part_max, part_sum, context_lens, _i32(parts),
+                _i32(plan.partition_blocks * block_size))
+    return out
+
+
+# ---------------------------------------------------------------- prefill: gather + torch SDPA
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """cache: [num_blocks, bs, Hk, D], block_table: [max_blocks] -> [context_len, Hk, D] contiguous."""
+    block_size = cache.shape[1]
+    blocks = block_table[: -(-context_len // block_size)].long()
+    return cache[blocks].flatten(0, 1)[:context_len]
+
+
+def _prefill_one(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 context_len: int, scale: float) -> torch.Tensor:
+    """q: [L, Hq, D] at context positions context_len - L .. context_len - 1 -> [L, Hq, D]."""
+    q_len = q.shape[0]
+    k = gather_context(k_cache, block_table, context_len).transpose(0, 1)  # [Hk, C, D]
+    v = gather_context(v_cache, block_table, context_len).transpose(0, 1)
+    qh = q.transpose(0, 1)  # [Hq, L, D]
+    if q_len == context_len:  # plain causal: lets SDPA pick its flash kernel
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # causal with the queries at the end of the context (bottom-right aligned)
+        q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [L, C]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each prefill chunk over its cached context: K/V gathered contiguous per
+    sequence, then torch SDPA in the cache dtype (flash / memory-efficient kernels on GPU).
+
+    q: [T, Hq, D], block_tables: [S, max_blocks] int32, query_start_loc: [S + 1] int32,
+    context_lens: [S] int32 -> [T, Hq, D]. Not graph-captured: it reads the lengths on the host.
+    """
+    out = torch.empty_like(q)
+    starts, lens = query_start_loc.tolist(), context_lens.tolist()
+    for i, context_len in enumerate(lens):
+        lo, hi = starts[i], starts[i + 1]
+        if hi > lo:
+            out[lo:hi] = _prefill_one(q[lo:hi], k_cache, v_cache, block_tables[i], context_len, scale)
+    return out
