@@ -1,0 +1,50 @@
+"""WorkerSettings: the one typed settings object of `python -m gpu_worker`."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from llmserve.settings import CommonSettings, require, setting
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class WorkerSettings(CommonSettings):
+    model: str = setting("smollm2-135m", "model alias, GGUF file or Hugging Face directory")
+    device: str = setting("auto", "auto, cpu or cuda (auto: cuda when a GPU and CuPy are there)")
+    dtype: str = setting("auto", "compute dtype: auto, float32, bfloat16 or float16")
+    worker_id: str = setting("", "id in the workers hash and inbox stream name (default host-pid)")
+    block_size: int = setting(16, "tokens per KV-cache block")
+    kv_cache_mb: int = setting(512, "KV-cache memory budget in MiB (sets the number of blocks)")
+    num_blocks: int = setting(0, "KV-cache blocks; overrides kv_cache_mb when > 0")
+    max_running: int = setting(32, "sequences running at once")
+    max_batched_tokens: int = setting(512, "tokens per forward step (decodes + prefill chunks)")
+    prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
+    heartbeat_s: float = setting(0.5, "seconds between heartbeats")
+    events_ttl_s: int = setting(3600, "seconds token-event streams live after their last event")
+    drain_timeout_s: float = setting(30.0, "seconds running sequences may finish on drain before handoff")
+    max_inbox_batches: int = setting(4, "inbox entries read per poll")
+    warmup: bool = setting(True, "run one forward before reporting SERVING")
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
+        require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        require(self.block_size in (8, 16, 32, 64), "block_size", "must be 8, 16, 32 or 64")
+        require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")
+        require(self.num_blocks >= 0, "num_blocks", "must be >= 0")
+        require(self.max_running >= 1, "max_running", "must be >= 1")
+        require(self.max_batched_tokens >= self.max_running, "max_batched_tokens",
+                "must be >= max_running (every running sequence decodes one token per step)")
+        require(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
+        require(self.events_ttl_s > 0, "events_ttl_s", "must be > 0")
+        require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        require(self.max_inbox_batches >= 1, "max_inbox_batches", "must be >= 1")
+        require(not self.worker_id or ("{" not in self.worker_id and "}" not in self.worker_id),
+                "worker_id", "must not contain braces (they are Redis hash tags)")
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"

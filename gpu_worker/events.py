@@ -1,0 +1,74 @@
+"""Token events: one TokenEvent per sequence per step, all of a step in one Redis pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from gpu_worker.requests import Tracked
+from llmserve import keys
+from llmserve.v1 import queue_pb2
+
+
+@dataclass(frozen=True)
+class Emission:
+    """One event to write: new tokens and, on the last one, how the request ended."""
+
+    tracked: Tracked
+    token_ids: tuple[int, ...] = ()
+    final: bool = False
+    finish_reason: int = 0
+    error_code: str = ""
+    error_message: str = ""
+
+
+def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
+    seq = e.tracked.seq
+    event = queue_pb2.TokenEvent(
+        request_id=e.tracked.item.request_id, index=seq.num_generated - len(e.token_ids),
+        token_ids=list(e.token_ids), worker_id=worker_id, final=e.final,
+    )
+    if e.final:
+        event.finish_reason = e.finish_reason
+        if e.error_code:
+            event.error.code, event.error.message = e.error_code, e.error_message
+    if not e.tracked.sent_first:
+        event.prompt_tokens = seq.num_prompt_tokens
+        event.cached_prompt_tokens = seq.num_cached_prompt_tokens
+        event.admitted_unix_ms = e.tracked.admitted_unix_ms
+    return event
+
+
+class EventPublisher:
+    """Writes a step's events, then acks the inbox entries whose requests all ended.
+
+    Args:
+        redis: client.
+        model: model id (inbox key).
+        worker_id: this worker.
+        ttl_s: events stream TTL, renewed on every write.
+    """
+
+    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, ttl_s: int) -> None:
+        self.redis = redis
+        self.inbox = keys.inbox_stream(model, worker_id)
+        self.worker_id = worker_id
+        self.ttl_s = ttl_s
+
+    async def publish(self, emissions: list[Emission], ack_entries: list[str]) -> None:
+        """XADD + EXPIRE per event, then XACK/XDEL the finished inbox entries, in one pipeline."""
+        if not emissions and not ack_entries:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for e in emissions:
+            key = e.tracked.item.events_key
+            pipe.xadd(key, {"event": build_event(e, self.worker_id).SerializeToString()})
+            pipe.expire(key, self.ttl_s)
+        if ack_entries:
+            pipe.xack(self.inbox, keys.INBOX_GROUP, *ack_entries)
+            pipe.xdel(self.inbox, *ack_entries)
+        await pipe.execute()
+        for e in emissions:
+            e.tracked.sent_first = True
+            e.tracked.done = e.tracked.done or e.final

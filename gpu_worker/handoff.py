@@ -1,0 +1,27 @@
+"""Handoff on drain: requeue unfinished work with the tokens produced so far, atomically.
+
+One MULTI: XADD every item back onto its work stream, then XACK + XDEL the inbox entries
+they came in. Work streams and the inbox share the model's hash tag, so this also runs on
+Redis Cluster. Whoever picks an item up continues at index len(generated_token_ids).
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from llmserve import keys
+from llmserve.v1 import queue_pb2
+
+
+async def hand_back(redis: aioredis.Redis, model: str, worker_id: str,
+                    items: list[queue_pb2.WorkItem], entries: list[str]) -> None:
+    if not items and not entries:
+        return
+    inbox = keys.inbox_stream(model, worker_id)
+    pipe = redis.pipeline(transaction=True)
+    for item in items:
+        pipe.xadd(keys.work_stream(model, item.priority), {"item": item.SerializeToString()})
+    if entries:
+        pipe.xack(inbox, keys.INBOX_GROUP, *entries)
+        pipe.xdel(inbox, *entries)
+    await pipe.execute()

@@ -1,0 +1,19 @@
+"""Prometheus metrics of the worker (served on --metrics-port by llmserve.server)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RUNNING = Gauge("llmserve_worker_running_sequences", "sequences in the running batch")
+WAITING = Gauge("llmserve_worker_waiting_sequences", "sequences waiting for admission")
+KV_USAGE = Gauge("llmserve_worker_kv_cache_usage_ratio", "fraction of KV blocks in use")
+PREFIX_HIT_RATE = Gauge("llmserve_worker_prefix_cache_hit_ratio", "prompt tokens served from the prefix cache")
+PREEMPTIONS = Counter("llmserve_worker_preemptions_total", "sequences preempted (recompute)")
+GENERATED = Counter("llmserve_worker_generated_tokens_total", "tokens generated")
+TOKENS_PER_S = Gauge("llmserve_worker_tokens_per_second", "generated tokens per second, last step")
+STEP_SECONDS = Histogram("llmserve_worker_step_seconds", "engine step duration",
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+BATCH_TOKENS = Histogram("llmserve_worker_batch_tokens", "tokens per forward step",
+                         buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048))
+FINISHED = Counter("llmserve_worker_finished_total", "sequences finished", ["reason"])
+HANDED_BACK = Counter("llmserve_worker_handed_back_total", "sequences handed back to the queue on drain")

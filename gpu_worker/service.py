@@ -1,0 +1,182 @@
+"""WorkerService: the gpu_worker process as an `llmserve.server.Service`.
+
+    start():  load model (thread) ─▶ KV cache from budget ─▶ warm-up forward ─▶ loop + heartbeat
+    drain():  draining=true in the heartbeat ─▶ running sequences finish (≤ drain timeout)
+              ─▶ loop stops ─▶ the rest is handed back to the work streams ─▶ HDEL heartbeat
+    close():  tasks cancelled, Redis closed
+
+SIGTERM reaches drain() through llmserve.server.serve; the Drain RPC starts the same drain
+and then sets the serve stop event, so the process exits 0 either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import structlog
+import torch
+
+from gpu_worker import metrics
+from gpu_worker.admin import WorkerAdminServicer
+from gpu_worker.config import WorkerSettings
+from gpu_worker.engine.engine import EngineConfig, LLMEngine
+from gpu_worker.engine.sequence import SamplingParams
+from gpu_worker.handoff import hand_back
+from gpu_worker.heartbeat import Heartbeat
+from gpu_worker.model.kv_cache import num_blocks_for_budget
+from gpu_worker.model.loader import load_model
+from gpu_worker.ops import select_device
+from gpu_worker.worker_loop import REDIS_ERRORS, WorkerLoop
+from llmserve import model_store
+from llmserve.redis_client import connect
+from llmserve.v1 import worker_pb2, worker_pb2_grpc
+
+logger = structlog.get_logger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIN_BLOCKS = 4
+
+
+def build_engine(settings: WorkerSettings) -> LLMEngine:
+    """Load the model and size the KV cache (blocking; run it in a thread)."""
+    device = select_device(settings.device)
+    model = load_model(settings.model, device, _DTYPES.get(settings.dtype))
+    dtype = next(model.parameters()).dtype
+    budget = settings.kv_cache_mb * 2**20
+    num_blocks = settings.num_blocks or num_blocks_for_budget(model.config, settings.block_size, dtype, budget)
+    if num_blocks < MIN_BLOCKS:
+        raise ValueError(f"kv_cache_mb={settings.kv_cache_mb} gives {num_blocks} blocks; need >= {MIN_BLOCKS}")
+    config = EngineConfig(num_blocks=num_blocks, block_size=settings.block_size,
+                          max_num_seqs=settings.max_running, max_num_batched_tokens=settings.max_batched_tokens,
+                          enable_prefix_caching=settings.prefix_caching)
+    engine = LLMEngine.create(model, config)
+    logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
+                mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)
+    return engine
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One prefill + one decode so the first request pays no lazy init; leaves no cached state."""
+    start = time.monotonic()
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], [SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)])
+    engine.block_manager.reset_prefix_cache()
+    engine.block_manager.stats.queried_tokens = engine.block_manager.stats.hit_tokens = 0
+    engine.counters.generated_tokens = 0
+    logger.info("warm-up done", seconds=round(time.monotonic() - start, 2))
+
+
+class WorkerService:
+    """Admin gRPC + engine loop + heartbeat of one worker.
+
+    Args:
+        settings: validated settings.
+        stop: the event `serve()` waits on; set when a Drain RPC finished draining.
+    """
+
+    service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name,)
+
+    def __init__(self, settings: WorkerSettings, stop: asyncio.Event | None = None) -> None:
+        self.settings = settings
+        self.stop_event = stop
+        self.worker_id = settings.resolved_worker_id()
+        self.model_id = model_store.model_id(settings.model)
+        self.redis = connect(settings.redis_url, settings.redis_password, socket_timeout=5.0)
+        self.engine: LLMEngine | None = None
+        self.loop: WorkerLoop | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.draining = False
+        self._tasks: list[asyncio.Task] = []
+        self._drain_task: asyncio.Task | None = None
+
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
+
+    async def start(self) -> None:
+        logger.info("loading model", model=self.settings.model, worker_id=self.worker_id)
+        self.engine = await asyncio.to_thread(build_engine, self.settings)
+        if self.settings.warmup:
+            await asyncio.to_thread(warm_up, self.engine)
+        self.loop = WorkerLoop(self.engine, self.redis, self.model_id, self.worker_id,
+                               self.settings.events_ttl_s, self.settings.max_inbox_batches)
+        self.heartbeat = Heartbeat(
+            self.redis, self.model_id, self.worker_id, f"{self.settings.host}:{self.settings.port}",
+            self.settings.heartbeat_s, self.settings.block_size, self.settings.max_running,
+            snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining)
+        self._tasks = [asyncio.create_task(self.loop.run(), name="engine-loop"),
+                       asyncio.create_task(self.heartbeat.run(), name="heartbeat")]
+        logger.info("worker ready", worker_id=self.worker_id, model=self.model_id)
+
+    # --- drain -------------------------------------------------------------------------------
+    def request_drain(self, timeout_s: float | None) -> None:
+        """Drain in the background (Drain RPC); the serve loop stops when it is done."""
+        task = self._ensure_drain(timeout_s)
+        if self.stop_event is not None:
+            task.add_done_callback(lambda _t: self.stop_event.set())
+
+    async def drain(self) -> None:
+        await asyncio.shield(self._ensure_drain(None))
+
+    def _ensure_drain(self, timeout_s: float | None) -> asyncio.Task:
+        if self._drain_task is None:
+            timeout = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+            self._drain_task = asyncio.create_task(self._drain(timeout), name="drain")
+        return self._drain_task
+
+    async def _drain(self, timeout_s: float) -> None:
+        self.draining = True
+        if self.loop is None:           # stopped before it ever started
+            return
+        logger.info("draining", timeout_s=timeout_s, running=len(self.engine.running))
+        self.loop.accepting = False
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.heartbeat.beat()
+        deadline = time.monotonic() + timeout_s
+        while self.loop.busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.loop.stop()
+        await self._tasks[0]
+        await self._hand_back_rest()
+        self._tasks[1].cancel()
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.heartbeat.remove()
+        logger.info("drained")
+
+    async def _hand_back_rest(self) -> None:
+        for attempt in range(20):
+            try:
+                await self.loop._flush()
+                unread = await self.loop.read_unread_inbox()
+                items, entries = self.loop.items_to_hand_back(unread)
+                await hand_back(self.redis, self.model_id, self.worker_id, items, entries)
+                metrics.HANDED_BACK.inc(len(items))
+                logger.info("handed back", items=len(items), entries=len(entries),
+                            request_ids=[i.request_id for i in items])
+                return
+            except REDIS_ERRORS as exc:
+                logger.warning("handoff failed; retrying", attempt=attempt, error=repr(exc))
+                await asyncio.sleep(0.5)
+        logger.error("handoff gave up; the batcher will reclaim the inbox entries")
+
+    # --- stats / close -----------------------------------------------------------------------
+    def stats(self) -> worker_pb2.WorkerStats:
+        s = self.loop.snapshot if self.loop else None
+        out = worker_pb2.WorkerStats(worker_id=self.worker_id, model=self.model_id, draining=self.draining,
+                                     block_size=self.settings.block_size)
+        if s:
+            out.running, out.waiting, out.free_blocks, out.total_blocks = s.running, s.waiting, s.free_blocks, \
+                s.total_blocks
+            out.generated_tokens, out.preemptions, out.prefix_cache_hit_rate = s.generated_tokens, s.preemptions, \
+                s.prefix_hit_rate
+        return out
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.loop:
+            self.loop.close()
+        await self.redis.aclose()

@@ -1,0 +1,246 @@
+"""The worker's engine loop: inbox → engine → token events, one engine step per turn.
+
+    ┌─ read inbox (block only when idle) ─▶ engine.add
+    │  cancel keys + deadlines (one pipeline) ─▶ engine.abort, final events
+    │  engine.step() in a thread (the event loop stays free for gRPC and heartbeats)
+    └─ events of the step + acks of finished batches (one pipeline)
+
+Only this loop touches the engine, so add/abort/step never race. After a step the loop
+takes a `Snapshot` of the engine for heartbeats and Stats, which run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+import redis.exceptions
+import structlog
+
+from gpu_worker import metrics
+from gpu_worker.engine.engine import LLMEngine, StepOutput
+from gpu_worker.engine.sequence import FINISH_CANCELLED
+from gpu_worker.events import Emission, EventPublisher
+from gpu_worker.inbox import Inbox, InboxEntry
+from gpu_worker.requests import Tracked, now_ms, validate_item
+from llmserve.v1 import queue_pb2
+
+logger = structlog.get_logger(__name__)
+IDLE_BLOCK_MS = 200
+REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine state as of the end of the last turn (safe to read from any task)."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+    cached_prefix_hashes: tuple[int, ...] = ()
+
+
+@dataclass
+class LoopState:
+    tracked: dict[int, Tracked] = field(default_factory=dict)      # seq_id -> request
+    entries: dict[str, set[int]] = field(default_factory=dict)     # inbox entry -> seq ids still open
+    unpublished: list[Emission] = field(default_factory=list)
+    unacked: list[str] = field(default_factory=list)
+
+
+class WorkerLoop:
+    """Runs the engine against this worker's inbox until stopped.
+
+    Args:
+        engine: the engine (owned by this loop from now on).
+        redis: client (socket timeout above IDLE_BLOCK_MS).
+        model: model id; worker_id: this worker; events_ttl_s: TTL of event streams.
+        max_inbox_batches: inbox entries per read.
+    """
+
+    def __init__(self, engine: LLMEngine, redis: aioredis.Redis, model: str, worker_id: str,
+                 events_ttl_s: int, max_inbox_batches: int) -> None:
+        self.engine = engine
+        self.redis = redis
+        self.inbox = Inbox(redis, model, worker_id)
+        self.publisher = EventPublisher(redis, model, worker_id, events_ttl_s)
+        self.max_inbox_batches = max_inbox_batches
+        self.state = LoopState()
+        self.accepting = True
+        self.snapshot = Snapshot(total_blocks=engine.config.num_blocks, free_blocks=engine.config.num_blocks)
+        self._stop = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._last_preemptions = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.inbox.ensure_group()
+        while not self._stop.is_set():
+            try:
+                await self._turn()
+            except REDIS_ERRORS as exc:
+                logger.warning("redis unavailable; retrying", error=repr(exc))
+                await asyncio.sleep(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    @property
+    def busy(self) -> bool:
+        """Sequences still running/waiting, or events not yet written."""
+        return self.engine.has_work() or bool(self.state.unpublished or self.state.unacked)
+
+    # --- one turn ----------------------------------------------------------------------------
+    async def _turn(self) -> None:
+        if self.accepting:
+            await self._ingest()
+        await self._stop_cancelled_and_expired()
+        if self.engine.has_work():
+            outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
+            self._emit_outputs(outputs)
+        elif not self.accepting:
+            await asyncio.sleep(0.02)
+        await self._flush()
+        self._take_snapshot()
+
+    def _step(self) -> list[StepOutput]:
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        new_tokens = sum(len(o.new_token_ids) for o in outputs)
+        metrics.STEP_SECONDS.observe(elapsed)
+        metrics.BATCH_TOKENS.observe(self.engine.counters.last_batch_tokens)
+        metrics.GENERATED.inc(new_tokens)
+        metrics.TOKENS_PER_S.set(new_tokens / elapsed if elapsed > 0 else 0.0)
+        return outputs
+
+    async def _ingest(self) -> None:
+        if len(self.engine.waiting) >= self.engine.config.max_num_seqs:
+            return                                   # enough queued here; the rest waits in the inbox
+        block = None if self.busy else IDLE_BLOCK_MS
+        for entry in await self.inbox.read(self.max_inbox_batches, block):
+            self._accept_entry(entry)
+
+    def _accept_entry(self, entry: InboxEntry) -> None:
+        open_ids: set[int] = set()
+        self.state.entries[entry.entry_id] = open_ids
+        for item in entry.batch.items:
+            tracked = Tracked.from_item(item, entry.entry_id)
+            self.state.tracked[tracked.seq.seq_id] = tracked
+            open_ids.add(tracked.seq.seq_id)
+            self._admit(tracked)
+        logger.info("batch accepted", batch_id=entry.batch.batch_id, entry_id=entry.entry_id,
+                    items=len(entry.batch.items))
+        if not open_ids:
+            self._close_entry(entry.entry_id)
+
+    def _admit(self, tracked: Tracked) -> None:
+        problem = validate_item(tracked.item, self.engine.model.config.vocab_size)
+        if problem:
+            self._queue(Emission(tracked, final=True, error_code="INVALID_ARGUMENT", error_message=problem))
+        elif tracked.expired(now_ms()):
+            self._queue(Emission(tracked, final=True, error_code="DEADLINE_EXCEEDED",
+                                 error_message="deadline passed before the worker started"))
+        elif (done := self.engine.add(tracked.seq)) is not None:
+            self._queue(Emission(tracked, final=True, finish_reason=done.seq.finish_reason))
+
+    async def _stop_cancelled_and_expired(self) -> None:
+        live = [t for t in self.state.tracked.values() if not t.seq.is_finished]
+        if not live:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for t in live:
+            pipe.exists(t.item.cancel_key)
+        cancelled = await pipe.execute()
+        at = now_ms()
+        for t, flag in zip(live, cancelled):
+            if flag:
+                self.engine.abort(t.seq, FINISH_CANCELLED)
+                self._queue(Emission(t, final=True, finish_reason=FINISH_CANCELLED))
+            elif t.expired(at):
+                self.engine.abort(t.seq, 0, "DEADLINE_EXCEEDED")
+                self._queue(Emission(t, final=True, error_code="DEADLINE_EXCEEDED",
+                                     error_message="deadline exceeded during generation"))
+
+    def _emit_outputs(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            tracked = self.state.tracked[out.seq.seq_id]
+            if out.seq.error_code:
+                self._queue(Emission(tracked, final=True, error_code=out.seq.error_code,
+                                     error_message="prompt does not fit in this worker's KV cache"))
+            else:
+                self._queue(Emission(tracked, tuple(out.new_token_ids), final=out.finished,
+                                     finish_reason=out.seq.finish_reason))
+
+    # --- events and acks ---------------------------------------------------------------------
+    def _queue(self, emission: Emission) -> None:
+        self.state.unpublished.append(emission)
+        if emission.final:
+            seq = emission.tracked.seq
+            reason = emission.error_code or str(emission.finish_reason)
+            metrics.FINISHED.labels(reason=reason).inc()
+            self.state.tracked.pop(seq.seq_id, None)
+            open_ids = self.state.entries.get(emission.tracked.entry_id)
+            if open_ids is not None:
+                open_ids.discard(seq.seq_id)
+                if not open_ids:
+                    self._close_entry(emission.tracked.entry_id)
+
+    def _close_entry(self, entry_id: str) -> None:
+        self.state.entries.pop(entry_id, None)
+        self.state.unacked.append(entry_id)
+
+    async def _flush(self) -> None:
+        """Write queued events, then ack entries; on a Redis error both stay queued for the next turn."""
+        emissions, acks = self.state.unpublished, self.state.unacked
+        self.state.unpublished, self.state.unacked = [], []
+        try:
+            await self.publisher.publish(emissions, acks)
+        except BaseException:
+            self.state.unpublished[:0], self.state.unacked[:0] = emissions, acks
+            raise
+
+    def _take_snapshot(self) -> None:
+        e = self.engine
+        preemptions = e.scheduler.num_preemptions
+        metrics.PREEMPTIONS.inc(preemptions - self._last_preemptions)
+        self._last_preemptions = preemptions
+        self.snapshot = Snapshot(
+            running=len(e.running), waiting=len(e.scheduler.waiting),
+            free_blocks=e.block_manager.num_free_blocks, total_blocks=e.config.num_blocks,
+            generated_tokens=e.counters.generated_tokens, preemptions=preemptions,
+            prefix_hit_rate=e.block_manager.stats.hit_rate,
+            cached_prefix_hashes=tuple(e.block_manager.cached_hashes(32)),
+        )
+        metrics.RUNNING.set(self.snapshot.running)
+        metrics.WAITING.set(self.snapshot.waiting)
+        metrics.KV_USAGE.set(e.block_manager.usage)
+        metrics.PREFIX_HIT_RATE.set(self.snapshot.prefix_hit_rate)
+
+    # --- drain -------------------------------------------------------------------------------
+    def unfinished(self) -> list[Tracked]:
+        return list(self.state.tracked.values())
+
+    async def read_unread_inbox(self) -> list[InboxEntry]:
+        """Entries dispatched to this worker that it never started (for handoff)."""
+        out: list[InboxEntry] = []
+        while batch := await self.inbox.read(64, None):
+            out += batch
+        return out
+
+    def items_to_hand_back(self, unread: list[InboxEntry]) -> tuple[list[queue_pb2.WorkItem], list[str]]:
+        """(work items to requeue, inbox entries to ack) for everything not finished here."""
+        items = [t.handoff_item() for t in self.unfinished()]
+        items += [item for entry in unread for item in entry.batch.items]
+        entries = [*self.state.entries, *(e.entry_id for e in unread)]
+        return items, entries
