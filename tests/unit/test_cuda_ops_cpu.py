@@ -1,0 +1,140 @@
+"""CPU-checkable parts of the CUDA backend: launch planning, kernel naming/sources, the gather + SDPA
+prefill path, and a torch emulation of the split-K (flash-decoding) partition + reduce math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_worker.ops import cuda, reference
+
+H200_SMS = 132
+
+
+@pytest.mark.parametrize(
+    ("seqs", "kv_heads", "group", "max_blocks", "expected"),
+    [
+        (64, 8, 4, 128, cuda.DecodePlan(4, 1, 1, 128)),     # 512 CTAs fill 132 SMs: no split
+        (256, 8, 4, 512, cuda.DecodePlan(4, 1, 1, 512)),
+        (1, 8, 4, 512, cuda.DecodePlan(4, 1, 32, 16)),     # 8 CTAs: 32 partitions of 256 tokens
+        (16, 8, 4, 128, cuda.DecodePlan(4, 1, 5, 26)),     # 128 CTAs: split to ~4 per SM
+        (1, 8, 4, 16, cuda.DecodePlan(4, 1, 1, 16)),       # 256 tokens: too short to split
+        (1, 3, 3, 64, cuda.DecodePlan(4, 1, 4, 16)),       # SmolLM2 shape: GROUP_MAX 4 covers 3 heads
+        (2, 2, 16, 64, cuda.DecodePlan(8, 2, 4, 16)),      # group of 16 -> 2 CTAs of 8 heads
+    ],
+)
+def test_plan_decode(seqs, kv_heads, group, max_blocks, expected):
+    plan = cuda.plan_decode(seqs, kv_heads, group, max_blocks, 16, H200_SMS)
+    assert plan == expected
+    assert plan.num_partitions * plan.partition_blocks >= max_blocks  # every block is covered
+    assert (plan.num_partitions - 1) * plan.partition_blocks < max_blocks  # no partition wholly past the table
+
+
+def test_plan_grid_and_group_max():
+    assert [cuda.group_max_for(g) for g in (1, 2, 3, 4, 5, 7, 8, 12)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert cuda.DecodePlan(4, 1, 5, 26).grid(16, 8) == (8, 16, 5)
+    assert cuda.DecodePlan(8, 2, 1, 64).grid(3, 2) == (4, 3, 1)
+
+
+def test_vec_width_and_support():
+    assert cuda.vec_width(torch.bfloat16, 4096) == 8
+    assert cuda.vec_width(torch.float16, 4096, 100) == 1
+    assert cuda.vec_width(torch.float32, 576) == 8
+    assert cuda.decode_kernel_supports(128, 16, torch.bfloat16)
+    assert not cuda.decode_kernel_supports(96, 16, torch.bfloat16)
+    assert not cuda.decode_kernel_supports(64, 4, torch.float16)
+
+
+def test_kernel_names_and_sources():
+    assert cuda.decode_kernel_name(torch.bfloat16, 128, 16, 4) == "llmserve::paged_decode_kernel<__nv_bfloat16, 128, 16, 4, 4>"
+    assert cuda.norm_kernel_name(True, torch.float16, torch.float32, 8, 8) == (
+        "llmserve::fused_add_rms_norm_kernel<__half, float, 8, 8>")
+    for filename in cuda.hot_name_expressions():
+        src = cuda.kernel_source(filename)
+        assert '#include "common.cuh"' not in src and "namespace llmserve" in src
+        assert "#include <cuda_bf16.h>" in src  # the only includes: headers NVRTC ships
+        includes = {line.strip() for line in src.splitlines() if line.startswith("#include")}
+        assert includes == {"#include <cuda_fp16.h>", "#include <cuda_bf16.h>"}
+
+
+# ------------------------------------------------------------------ random paged batches
+
+
+def make_paged(seed: int, lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int = 16,
+               dtype=torch.float32):
+    """Random q and a shuffled paged cache holding contexts of `lens` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in lens) + 1
+    num_blocks = len(lens) * max_blocks + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = perm[: len(lens) * max_blocks].view(len(lens), max_blocks).to(torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def emulate_split_k(q, k_cache, v_cache, tables, lens, scale, plan: cuda.DecodePlan):
+    """The kernel's arithmetic per partition (log2-domain max/sum/acc) and the reduce kernel's merge."""
+    block_size = k_cache.shape[1]
+    part_tokens = plan.partition_blocks * block_size
+    seqs, heads, dim = q.shape
+    group = heads // k_cache.shape[2]
+    out = torch.zeros(seqs, heads, dim)
+    for b in range(seqs):
+        ctx = int(lens[b])
+        k = reference._gather_blocks(k_cache, tables[b : b + 1], tables.shape[1])[0, :ctx].float()
+        v = reference._gather_blocks(v_cache, tables[b : b + 1], tables.shape[1])[0, :ctx].float()
+        used = min(plan.num_partitions, -(-ctx // part_tokens))
+        for h in range(heads):
+            s = (k[:, h // group] @ q[b, h].float()) * (scale * math.log2(math.e))  # [ctx] log2 domain
+            maxes, sums, accs = [], [], []
+            for p in range(used):
+                sp = s[p * part_tokens : (p + 1) * part_tokens]
+                m = sp.max()
+                w = torch.exp2(sp - m)
+                maxes.append(m)
+                sums.append(w.sum())
+                accs.append(w @ v[p * part_tokens : (p + 1) * part_tokens, h // group])
+            if not used:
+                continue
+            m_all = torch.stack(maxes).max()
+            f = torch.exp2(torch.stack(maxes) - m_all)
+            out[b, h] = (f[:, None] * torch.stack(accs)).sum(0) / (f * torch.stack(sums)).sum()
+    return out
+
+
+@pytest.mark.parametrize(("lens", "heads", "kv_heads"), [([1, 700, 33, 1024], 8, 2), ([5000], 4, 4), ([600, 17], 6, 2)])
+def test_split_k_math_matches_reference(lens, heads, kv_heads):
+    q, kc, vc, tables, ctx = make_paged(0, lens, heads, kv_heads, 64)
+    plan = cuda.plan_decode(len(lens), kv_heads, heads // kv_heads, tables.shape[1], 16, H200_SMS)
+    assert plan.num_partitions > 1
+    scale = 64**-0.5
+    want = reference.paged_decode_attention(q, kc, vc, tables, ctx, scale)
+    got = emulate_split_k(q, kc, vc, tables, ctx, scale, plan)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ prefill: gather + SDPA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_gather_sdpa_matches_reference(dtype):
+    """Chunks that are whole prompts (plain causal) and chunks after a cached prefix (bottom-right causal)."""
+    lens, q_lens = [40, 7, 100, 16], [40, 3, 17, 1]
+    _, kc, vc, tables, ctx = make_paged(1, lens, 8, 2, 64, dtype=dtype)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(sum(q_lens), 8, 64, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    want = reference.paged_prefill_attention(q, kc, vc, tables, starts, ctx, 0.125)
+    got = cuda.paged_prefill_attention(q, kc, vc, tables, starts, ctx, 0.125)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_gather_context_orders_blocks_by_table():
+    cache = torch.arange(6 * 4).view(6, 4, 1, 1).float()  # block i holds 4i .. 4i+3
+    table = torch.tensor([5, 0, 3], dtype=torch.int32)
+    assert cuda.gather_context(cache, table, 10).flatten().tolist() == [20, 21, 22, 23, 0, 1, 2, 3, 12, 13]
