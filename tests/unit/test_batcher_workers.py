@@ -1,0 +1,57 @@
+"""WorkerPool: liveness, draining, capacity ledger, block estimates. No servers."""
+
+from __future__ import annotations
+
+from batcher.workers import WorkerPool, blocks_needed
+from llmserve.v1 import queue_pb2
+
+
+def hb(worker_id: str, sent: int, free: int = 100, running: int = 0, max_running: int = 8,
+       draining: bool = False, block_size: int = 16) -> queue_pb2.WorkerHeartbeat:
+    return queue_pb2.WorkerHeartbeat(worker_id=worker_id, free_blocks=free, total_blocks=free,
+                                     block_size=block_size, running=running, max_running=max_running,
+                                     draining=draining, sent_unix_ms=sent)
+
+
+def test_blocks_needed_counts_prompt_generated_and_reserved_decode():
+    item = queue_pb2.WorkItem(prompt_token_ids=list(range(20)), generated_token_ids=[1, 2],
+                              sampling=queue_pb2.ResolvedSampling(max_new_tokens=40))
+    assert blocks_needed(item, 16, 1.0) == 4   # ceil(62 / 16)
+    assert blocks_needed(item, 16, 0.0) == 2   # ceil(22 / 16): prompt only
+    assert blocks_needed(item, 16, 0.5) == 3   # ceil(42 / 16)
+    assert blocks_needed(item, 0, 1.0) == 0
+
+
+def test_silent_and_draining_workers_get_nothing():
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"old": hb("old", sent=0, free=1000), "drain": hb("drain", sent=9_500, free=1000, draining=True),
+                 "ok": hb("ok", sent=9_500, free=10)})
+    assert [c.worker_id for c in pool.accepting(10_000)] == ["ok"]
+    assert pool.is_alive("drain", 10_000) and not pool.is_alive("old", 10_000)
+    assert not pool.is_alive("missing", 10_000)
+
+
+def test_most_free_blocks_first_and_full_workers_skipped():
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"a": hb("a", 100, free=50), "b": hb("b", 100, free=80, running=8), "c": hb("c", 100, free=60)})
+    assert [c.worker_id for c in pool.accepting(100)] == ["b", "c", "a"]
+    assert pool.best(100).worker_id == "c"  # b has no sequence slot left
+
+
+def test_reservations_hold_until_a_newer_heartbeat_beyond_grace():
+    pool = WorkerPool(heartbeat_ttl_ms=10_000, grace_ms=100)
+    pool.update({"w": hb("w", sent=1000, free=100, max_running=10)})
+    pool.reserve("w", blocks=30, seqs=3, now_ms=1050)
+    cap = pool.best(1060)
+    assert (cap.free_blocks, cap.free_seqs) == (70, 7)
+    pool.update({"w": hb("w", sent=1100, free=100, max_running=10)})  # within grace: still reserved
+    assert pool.best(1110).free_blocks == 70
+    pool.update({"w": hb("w", sent=1200, free=75, running=3, max_running=10)})  # the worker counts them now
+    cap = pool.best(1210)
+    assert (cap.free_blocks, cap.free_seqs) == (75, 7)
+
+
+def test_unreported_max_running_does_not_limit_sequences():
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"w": hb("w", sent=100, max_running=0)})
+    assert pool.best(100).free_seqs > 10**6
