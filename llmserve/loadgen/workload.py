@@ -10,8 +10,10 @@ unit-tested without a server.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 # Short, common English words: roughly one BPE token each, so a prompt of N words
@@ -110,20 +112,23 @@ def make_prompt(words: int, rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def build_workload(config: WorkloadConfig) -> list[RequestSpec]:
-    """The seeded list of requests: same config, same requests."""
+def workload_stream(config: WorkloadConfig) -> Iterator[RequestSpec]:
+    """An endless seeded stream of requests (config.requests is ignored); for time-bounded runs."""
     rng = random.Random(config.seed)
     weights = config.tenant_weights or [1.0] * len(config.api_keys)
     if len(weights) != len(config.api_keys):
         raise ValueError("tenant_weights must have one weight per api key")
-    specs = []
-    for seq in range(config.requests):
+    for seq in itertools.count():
         tenant = rng.choices(range(len(config.api_keys)), weights=weights)[0]
         words = config.prompt_tokens.sample(rng)
-        specs.append(RequestSpec(seq=seq, api_key=config.api_keys[tenant], tenant=tenant,
-                                 prompt=make_prompt(words, rng), prompt_words=words,
-                                 max_new_tokens=config.output_tokens.sample(rng), seed=rng.getrandbits(32)))
-    return specs
+        yield RequestSpec(seq=seq, api_key=config.api_keys[tenant], tenant=tenant,
+                          prompt=make_prompt(words, rng), prompt_words=words,
+                          max_new_tokens=config.output_tokens.sample(rng), seed=rng.getrandbits(32))
+
+
+def build_workload(config: WorkloadConfig) -> list[RequestSpec]:
+    """The seeded list of config.requests requests: same config, same requests."""
+    return list(itertools.islice(workload_stream(config), config.requests))
 
 
 def poisson_arrivals(rate: float, count: int, rng: random.Random) -> list[float]:
