@@ -1,0 +1,306 @@
+"""The gateway over real gRPC and real Valkey, with a real tokenizer server and a
+scripted worker writing real event streams (tests/integration/gateway_harness.py)."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from gateway.config import GatewaySettings
+from gateway.quota import tenant_keys
+from gateway.service import InferenceService
+from gateway.tenants import hash_key
+from llmserve import keys, redis_client
+from llmserve.server import start_server
+from llmserve.v1 import inference_pb2 as pb
+from llmserve.v1 import inference_pb2_grpc
+from tokenizer_svc.loader import load_tokenizer
+
+from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
+
+TENANTS = f"""
+tenants:
+  - {{id: acme, api_keys: ["sha256:{hash_key('acme-key')}"], requests_per_second: 1000, burst: 1000,
+     tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
+  - {{id: other, api_keys: ["sha256:{hash_key('other-key')}"], requests_per_second: 1000, burst: 1000,
+     tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
+  - {{id: tiny, api_keys: ["sha256:{hash_key('tiny-key')}"], requests_per_second: 0.1, burst: 1,
+     tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
+  - {{id: fenced, api_keys: ["sha256:{hash_key('fenced-key')}"], requests_per_second: 10, burst: 10,
+     tokens_per_minute: 100000, max_concurrent: 4, max_new_tokens: 64, priority: normal, models: ["llama-70b"]}}
+"""
+ACME = (("authorization", "Bearer acme-key"),)
+OTHER = (("authorization", "Bearer other-key"),)
+SHED_DEPTH = 40
+
+
+class Env:
+    pass
+
+
+@pytest.fixture(scope="module")
+async def env(redis_url, smollm2_path, tmp_path_factory):
+    e = Env()
+    e.redis = redis_client.connect(redis_url)
+    await e.redis.flushall()
+    e.model_tokenizer = load_tokenizer(smollm2_path)
+    e.tok_server, tok_target = await start_tokenizer_server(e.model_tokenizer)
+    tenants = tmp_path_factory.mktemp("gw") / "tenants.yaml"
+    tenants.write_text(TENANTS)
+    e.settings = GatewaySettings(tenants=str(tenants), tokenizer_target=tok_target, redis_url=redis_url,
+                                 models=MODEL, detach_grace_s=0.5, cancel_grace_s=1.0, max_queue_wait_s=2.0,
+                                 queue_max_depth=SHED_DEPTH, lease_ttl_s=10, tokenizer_wait_s=30)
+    e.service = InferenceService(e.settings)
+    e.handle = await start_server(e.service, e.settings, e.settings.max_message_bytes)
+    await e.service.start()
+    await e.handle.set_serving(True)
+    e.target = f"127.0.0.1:{e.handle.port}"
+    e.worker = ScriptedWorker(e.redis, e.model_tokenizer.encode(ANSWER))
+    e.worker_task = asyncio.create_task(e.worker.run())
+    e.channel = grpc.aio.insecure_channel(e.target, options=[("grpc.max_send_message_length", 32 << 20)])
+    e.stub = inference_pb2_grpc.InferenceStub(e.channel)
+    yield e
+    e.worker_task.cancel()
+    await e.channel.close()
+    await e.handle.server.stop(0)
+    await e.service.close()
+    await e.tok_server.stop(0)
+    await e.redis.aclose()
+
+
+def req(request_id="", prompt="What is the capital of France?", **sampling) -> pb.GenerateRequest:
+    sampling.setdefault("max_new_tokens", 64)
+    return pb.GenerateRequest(prompt=prompt, request_id=request_id, sampling=pb.SamplingParams(**sampling))
+
+
+async def stream(env, request, metadata=ACME, timeout=30):
+    call = env.stub.Generate(request, metadata=metadata, timeout=timeout)
+    chunks = [c async for c in call]
+    return chunks, dict(await call.initial_metadata())
+
+
+async def read_rest(call) -> list:
+    out = []
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        out.append(chunk)
+    return out
+
+
+async def status_of(coro) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await coro
+    return err.value
+
+
+async def eventually(predicate, timeout_s=15.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await predicate():
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def expected_ids(env, n=64):
+    return env.model_tokenizer.encode(ANSWER)[:n]
+
+
+async def test_generate_streams_contiguous_chunks_with_headers(env):
+    chunks, md = await stream(env, req("plain-1"))
+    assert [c.index for c in chunks] == [sum(len(x.token_ids) for x in chunks[:i]) for i in range(len(chunks))]
+    assert [t for c in chunks for t in c.token_ids] == expected_ids(env)
+    assert "".join(c.text for c in chunks) == ANSWER
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == len(expected_ids(env)) and usage.prompt_tokens > 0
+    assert md["x-request-id"] == "plain-1" == chunks[0].request_id
+    assert int(md["x-ratelimit-remaining-requests"]) >= 0 and int(md["x-ratelimit-remaining-tokens"]) > 0
+    item = next(i for i in env.worker.items if i.request_id == "plain-1")
+    assert list(item.sampling.stop_token_ids) == env.model_tokenizer.eos_token_ids
+    assert item.sampling.max_new_tokens == 64 and item.tenant == "acme"
+    assert item.events_key == keys.events_stream("acme", "plain-1")
+
+
+async def test_complete_aggregates(env):
+    call = env.stub.Complete(req("complete-1"), metadata=ACME, timeout=30)
+    reply = await call
+    assert reply.text == ANSWER and list(reply.token_ids) == expected_ids(env)
+    assert reply.finish_reason == pb.FINISH_REASON_LENGTH and reply.request_id == "complete-1"
+    assert dict(await call.initial_metadata())["x-request-id"] == "complete-1"
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer nope"),), (("authorization", "acme-key"),)])
+async def test_unauthenticated_carries_request_id(env, metadata):
+    call = env.stub.Generate(req("auth-1"), metadata=metadata, timeout=10)
+    err = await status_of(call.read())
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert dict(await call.initial_metadata())["x-request-id"] == "auth-1"
+
+
+async def test_model_not_allowed_and_unknown(env):
+    err = await status_of(env.stub.Complete(req(), metadata=(("authorization", "Bearer fenced-key"),), timeout=10))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    bad = req()
+    bad.model = "no-such-model"
+    err = await status_of(env.stub.Complete(bad, metadata=ACME, timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("model:")
+
+
+@pytest.mark.parametrize("request_, field", [
+    (req(prompt="x" * (10 * 1024 * 1024)), "prompt"),
+    (req(max_new_tokens=65), "sampling.max_new_tokens"),           # tenant cap 64
+    (req(prompt="hi " * 9000), "prompt"),                           # more tokens than the 8192 context
+    (req(top_p=0.0), "sampling.top_p"),
+    (pb.GenerateRequest(messages=[pb.ChatMessage(role="bot", content="x")]), "messages[0].role"),
+])
+async def test_validation_over_grpc(env, request_, field):
+    err = await status_of(env.stub.Complete(request_, metadata=ACME, timeout=30))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details().startswith(field + ":")
+
+
+async def test_invalid_utf8_bytes_name_the_field(env):
+    raw = pb.GenerateRequest(prompt="AB").SerializeToString().replace(b"AB", b"A\xff")
+    method = env.channel.unary_unary("/llmserve.v1.Inference/Complete", request_serializer=lambda b: b,
+                                     response_deserializer=pb.CompleteResponse.FromString)
+    err = await status_of(method(raw, metadata=ACME, timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt:")
+
+
+async def test_rate_limit_is_resource_exhausted_with_retry_after(env):
+    tiny = (("authorization", "Bearer tiny-key"),)
+    await env.stub.Complete(req(), metadata=tiny, timeout=30)
+    call = env.stub.Complete(req(), metadata=tiny, timeout=30)
+    err = await status_of(call)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "requests_per_second" in err.details()
+    assert 0 < int(dict(err.trailing_metadata())["retry-after-ms"]) <= 10_000
+    assert "x-request-id" in dict(await call.initial_metadata())
+
+
+async def test_stop_string_across_tokens_sets_cancel(env):
+    chunks, _ = await stream(env, req("stop-1", stop=["Paris"]))
+    assert "".join(c.text for c in chunks) == "The capital of France is "
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert await eventually(lambda: env.redis.exists(keys.cancel_key("acme", "stop-1")))
+    assert await eventually(lambda: lease_gone("acme", "stop-1", env))
+
+
+async def test_resume_reattaches_without_requeueing_or_recharging(env):
+    first, _ = await stream(env, req("resume-1"))
+    ledger_before = await env.redis.hgetall(tenant_keys("acme")["ledger"])
+    k = first[3].index
+    again, md = await stream(env, req("resume-1"), metadata=ACME + (("x-resume-from", str(k)),))
+    assert [c.index for c in again] == [c.index for c in first[3:]]
+    assert "".join(c.text for c in first[:3] + again) == ANSWER
+    replay, _ = await stream(env, req("resume-1"))
+    assert [c.SerializeToString() for c in replay[:-1]] == [c.SerializeToString() for c in first[:-1]]
+    assert [i.request_id for i in env.worker.items].count("resume-1") == 1
+    assert await env.redis.hgetall(tenant_keys("acme")["ledger"]) == ledger_before
+    assert md["x-request-id"] == "resume-1"
+    # the same id under another tenant is another request
+    other, _ = await stream(env, req("resume-1"), metadata=OTHER)
+    assert [i.request_id for i in env.worker.items].count("resume-1") == 2 and other[-1].finish_reason
+
+
+async def test_cancel_rpc_own_tenant_only(env):
+    call = env.stub.Generate(req("slow-cancel"), metadata=ACME, timeout=60)
+    first = await call.read()
+    assert first.index == 0
+    err = await status_of(env.stub.Cancel(pb.CancelRequest(request_id="slow-cancel"), metadata=OTHER, timeout=10))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    err = await status_of(env.stub.Cancel(pb.CancelRequest(request_id="never-was"), metadata=ACME, timeout=10))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    await env.stub.Cancel(pb.CancelRequest(request_id="slow-cancel"), metadata=ACME, timeout=10)
+    rest = await read_rest(call)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+    assert "slow-cancel" in env.worker.saw_cancel
+    assert await eventually(lambda: lease_gone("acme", "slow-cancel", env))
+
+
+async def lease_gone(tenant, request_id, env):
+    return await env.redis.zscore(tenant_keys(tenant)["leases"], request_id) is None
+
+
+async def test_deadline_exceeded_in_time_and_worker_told(env):
+    started = time.monotonic()
+    err = await status_of(stream(env, req("idle-deadline"), timeout=1.0))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 10
+    item = next(i for i in env.worker.items if i.request_id == "idle-deadline")
+    assert item.deadline_unix_ms > item.arrival_unix_ms
+    assert await eventually(lambda: env.redis.exists(keys.cancel_key("acme", "idle-deadline")))
+    assert await eventually(lambda: lease_gone("acme", "idle-deadline", env))
+
+
+async def test_disconnect_cancels_and_frees_lease(env):
+    call = env.stub.Generate(req("slow-disconnect"), metadata=ACME, timeout=60)
+    await call.read()
+    call.cancel()
+    assert await eventually(lambda: env.redis.exists(keys.cancel_key("acme", "slow-disconnect")))
+    assert await eventually(lambda: lease_gone("acme", "slow-disconnect", env))
+    assert await eventually(lambda: _async_true("slow-disconnect" in env.worker.saw_cancel))
+
+
+async def _async_true(value):
+    return value
+
+
+async def test_max_queue_wait_is_unavailable(env):
+    err = await status_of(stream(env, req("idle-queue"), timeout=30))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "overloaded" in err.details()
+    assert await eventually(lambda: lease_gone("acme", "idle-queue", env))
+
+
+async def test_worker_error_event_maps_to_status(env):
+    err = await status_of(stream(env, req("err-1")))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "boom" in err.details()
+
+
+async def test_shedding_keeps_share_for_high(env):
+    stream_key = keys.work_stream(MODEL, pb.PRIORITY_LOW)
+    for _ in range(int(SHED_DEPTH * 0.75)):
+        await env.redis.xadd(stream_key, {"filler": "1"})
+    try:
+        err = await status_of(env.stub.Complete(req(), metadata=ACME, timeout=10))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "overloaded" in err.details()
+        high = req("high-1")
+        high.priority = pb.PRIORITY_HIGH
+        reply = await env.stub.Complete(high, metadata=ACME, timeout=30)
+        assert reply.text == ANSWER
+    finally:
+        await env.redis.delete(stream_key)
+
+
+async def test_list_models_and_tokenize(env):
+    reply = await env.stub.ListModels(pb.ListModelsRequest(), metadata=ACME, timeout=10)
+    assert [(m.id, m.context_length) for m in reply.models] == [(MODEL, env.model_tokenizer.context_length)]
+    fenced = await env.stub.ListModels(pb.ListModelsRequest(), metadata=(("authorization", "Bearer fenced-key"),))
+    assert list(fenced.models) == []
+    tok = await env.stub.Tokenize(pb.TokenizeRequest(text="Hello world"), metadata=ACME, timeout=10)
+    assert list(tok.token_ids) == env.model_tokenizer.encode("Hello world")
+    err = await status_of(env.stub.Tokenize(pb.TokenizeRequest(), metadata=ACME, timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("text:")
+
+
+async def test_sighup_reload_keeps_streams(env, tmp_path):
+    path = env.service.tenants.path
+    original = path.read_text()
+    call = env.stub.Generate(req("slow-sighup", max_new_tokens=20), metadata=ACME, timeout=60)
+    await call.read()
+    try:
+        path.write_text(original + f"""  - {{id: late, api_keys: ["sha256:{hash_key('late-key')}"], requests_per_second: 5,
+     burst: 5, tokens_per_minute: 100000, max_concurrent: 2, max_new_tokens: 64, models: ["*"]}}
+""")
+        import os
+        import signal
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert await eventually(lambda: _async_true("late" in env.service.tenants.tenant_ids()))
+        rest = await read_rest(call)
+        assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 20
+        await env.stub.ListModels(pb.ListModelsRequest(), metadata=(("authorization", "Bearer late-key"),))
+    finally:
+        path.write_text(original)
+        env.service.tenants.reload()
