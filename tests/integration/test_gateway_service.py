@@ -190,6 +190,7 @@ async def test_stop_string_across_tokens_sets_cancel(env):
 
 async def test_resume_reattaches_without_requeueing_or_recharging(env):
     first, _ = await stream(env, req("resume-1"))
+    assert await eventually(lambda: lease_gone("acme", "resume-1", env))   # released and refunded
     ledger_before = await env.redis.hgetall(tenant_keys("acme")["ledger"])
     k = first[3].index
     again, md = await stream(env, req("resume-1"), metadata=ACME + (("x-resume-from", str(k)),))
