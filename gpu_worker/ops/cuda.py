@@ -140,6 +140,18 @@ def _cp():
     return cupy
 
 
+def unavailable_reason() -> str | None:
+    """Why CUDA kernels cannot run here (None when they can): no CUDA device for torch, or no CuPy."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    try:
+        cp = _cp()
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # ImportError, or a CUDA runtime mismatch raised by CuPy
+        return f"CuPy unusable: {exc!r}"
+    return None
+
+
 @functools.cache
 def _kernel(filename: str, name_expression: str):
     """Compile (NVRTC, cached by CuPy on disk too) one template instantiation."""
