@@ -1,0 +1,87 @@
+"""Client retry and resume bookkeeping (no servers)."""
+
+import random
+
+import grpc
+import pytest
+
+from llmserve.client import Chunk, ResumeCursor, RetryPolicy, StreamEnded, build_request, to_chunk
+from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.v1 import inference_pb2 as pb
+
+
+def resp(index, n, final=False):
+    return pb.GenerateResponse(request_id="r", index=index, token_ids=list(range(index, index + n)),
+                               text=f"<{index}>", finish_reason=pb.FINISH_REASON_LENGTH if final else 0)
+
+
+def test_cursor_delivers_each_index_once_across_resumes():
+    cursor = ResumeCursor()
+    assert cursor.metadata() == ()
+    first = [resp(0, 2), resp(2, 3)]
+    assert [cursor.accept(r) for r in first] == [True, True]
+    assert cursor.metadata() == (("x-resume-from", "5"),)
+    # a server that ignores x-resume-from replays from 0: the repeats are dropped
+    second = [resp(0, 2), resp(2, 3), resp(5, 1), resp(6, 0, final=True)]
+    assert [cursor.accept(r) for r in second] == [False, False, True, True]
+    assert cursor.finished and cursor.next_index == 6
+    assert not cursor.accept(resp(6, 0, final=True))   # a duplicate final after the end
+
+
+def test_cursor_first_attempt_has_no_resume_header_even_after_retry_before_any_chunk():
+    cursor = ResumeCursor()
+    assert cursor.metadata() == ()   # a retry with no chunk seen is a plain re-send of the same request_id
+
+
+def test_backoff_is_full_jitter_and_capped():
+    policy = RetryPolicy(max_attempts=10, initial_s=0.1, max_backoff_s=1.0, rng=random.Random(0))
+    for attempt in range(8):
+        samples = [policy.backoff(attempt) for _ in range(200)]
+        cap = min(1.0, 0.1 * 2 ** attempt)
+        assert all(0.0 <= s <= cap for s in samples)
+        assert max(samples) > cap * 0.8 and min(samples) < cap * 0.2   # spread over the whole range
+
+
+class FakeRpcError(grpc.RpcError):
+    """Only a status code: what the policy looks at."""
+
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+
+@pytest.mark.parametrize("exc, retried", [
+    (FakeRpcError(grpc.StatusCode.UNAVAILABLE), True), (StreamEnded(), True), (Unavailable("x"), True),
+    (FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED), False), (FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT), False),
+    (FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED), False), (InvalidArgument("f", "r"), False),
+])
+def test_only_unavailable_is_retried(exc, retried):
+    policy = RetryPolicy(max_attempts=3)
+    assert (policy.should_retry(exc, 0, None) is not None) is retried
+
+
+def test_retries_stop_at_max_attempts_and_deadline():
+    import time
+    policy = RetryPolicy(max_attempts=3, initial_s=10.0, max_backoff_s=10.0, rng=random.Random(1))
+    err = FakeRpcError(grpc.StatusCode.UNAVAILABLE)
+    assert policy.should_retry(err, 2, None) is None                       # third failure: give up
+    assert policy.should_retry(err, 0, time.monotonic() + 1e-6) is None    # no time for the sleep
+
+
+def test_build_request_leaves_unset_sampling_unset():
+    r = build_request(messages=[{"role": "user", "content": "hi"}], max_new_tokens=5, temperature=0.0,
+                      priority="high")
+    assert r.sampling.HasField("temperature") and r.sampling.temperature == 0.0
+    assert not r.sampling.HasField("top_p") and not r.sampling.HasField("seed")
+    assert r.priority == pb.PRIORITY_HIGH and len(r.request_id) == 32
+    assert build_request("p", request_id="mine").request_id == "mine"
+
+
+def test_to_chunk_types():
+    r = resp(4, 2, final=True)
+    r.usage.completion_tokens = 6
+    chunk = to_chunk(r)
+    assert chunk == Chunk("r", "<4>", (4, 5), 4, "length", chunk.usage) and chunk.usage.completion_tokens == 6
+    assert to_chunk(resp(0, 1)).usage is None and to_chunk(resp(0, 1)).finish_reason is None
