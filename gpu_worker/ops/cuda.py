@@ -126,7 +126,7 @@ def hot_name_expressions() -> dict[str, list[str]]:
 
 def kernel_source(filename: str) -> str:
     """A .cu file with common.cuh inlined, so NVRTC needs no include path."""
-    common = (KERNEL_DIR / "common.cuh").read_text()
+    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
     return (KERNEL_DIR / filename).read_text().replace('#include "common.cuh"', common)
 
 
