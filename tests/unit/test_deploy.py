@@ -534,6 +534,21 @@ def test_cuda_image_is_cuda12_with_cupy():
     assert dockerfile_env(instructions)["LLMSERVE_DEVICE"] == "cuda"
 
 
+def test_installed_package_carries_every_data_file():
+    """The images `pip install .` (not editable): every non-Python file the services read at run time
+    (CUDA kernel sources and headers) must be listed in pyproject's package-data."""
+    import tomllib
+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for package in ("llmserve", *SERVICES):
+        for path in (ROOT / package).rglob("*"):
+            if not path.is_file() or path.suffix in (".py", ".pyc", ".pyi") or "__pycache__" in path.parts:
+                continue
+            rel = path.relative_to(ROOT / package).as_posix()
+            assert any(fnmatch.fnmatch(rel, glob) for glob in package_data.get(package, [])), (
+                f"{package}/{rel} would be missing from the image: add it to [tool.setuptools.package-data]")
+
+
 # -- health probe -----------------------------------------------------------------------------------------------
 def test_health_probe_script_tells_serving_from_not_serving(monkeypatch):
     spec = importlib.util.spec_from_file_location("grpc_health_check", ROOT / "deploy/docker/grpc_health_check.py")
