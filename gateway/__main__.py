@@ -21,9 +21,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gateway: {exc}", file=sys.stderr)
         return 2
     configure_logging("gateway", settings.log_level)
-    asyncio.run(serve(InferenceService(settings), settings, "gateway",
-                      max_message_bytes=settings.max_message_bytes))
+    asyncio.run(_run(settings))
     return 0
+
+
+async def _run(settings: GatewaySettings) -> None:
+    # Built inside the loop: grpc.aio channels bind to the loop that exists when they are made.
+    service = InferenceService(settings)
+    await serve(service, settings, "gateway", max_message_bytes=settings.max_message_bytes)
 
 
 if __name__ == "__main__":
