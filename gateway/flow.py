@@ -115,8 +115,8 @@ class Flow:
             rem_req, rem_tok = await self.quota.peek(limits_of(call.tenant))
             call.headers = [("x-ratelimit-remaining-requests", str(rem_req)),
                             ("x-ratelimit-remaining-tokens", str(rem_tok))]
-        if meta is None:
-            raise NotFound(f"request {call.request_id} is gone")
+        if meta is None:  # claimed by a concurrent submit that has not finished (or failed): retry
+            raise Unavailable(f"request {call.request_id} is being submitted; retry to attach")
         async for chunk in self._stream(call, meta):
             yield chunk
 
