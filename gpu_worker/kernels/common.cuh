@@ -1,27 +1,39 @@
-// Shared device helpers for the llmserve kernels: element types, 16-byte vector
-// loads/stores, warp reductions. NVRTC-safe: no host or C++ standard headers,
-// only cuda_fp16.h / cuda_bf16.h, which NVRTC ships built in.
+// Shared device helpers for the llmserve kernels: element types, 8-element chunk loads/stores,
+// warp and block reductions. Header-free on purpose: NVRTC (CuPy's RawModule) ships no
+// cuda_fp16.h / cuda_bf16.h, and include paths differ between machines, so the two 16-bit types
+// are plain storage structs converted with PTX cvt instructions (bf16 rounding needs sm_80+).
 #pragma once
-
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
 
 namespace llmserve {
 
-constexpr int WARP_SIZE = 32;
-constexpr float NEG_BIG = -3.0e38f;  // finite "-inf": exp2(NEG_BIG - NEG_BIG) = 1, never NaN
-constexpr float LOG2E = 1.4426950408889634f;
+inline constexpr int WARP_SIZE = 32;
+inline constexpr float NEG_BIG = -3.0e38f;  // finite "-inf": exp2(NEG_BIG - NEG_BIG) = 1, never NaN
+inline constexpr float LOG2E = 1.4426950408889634f;
+
+// ---- 16-bit storage types (torch.float16 / torch.bfloat16 bit patterns) ----
+struct alignas(2) f16 { unsigned short bits; };
+struct alignas(2) bf16 { unsigned short bits; };
 
 // ---- scalar conversions (fp32 is the compute type of every kernel) ----
 __device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(f16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(static_cast<unsigned>(x.bits) << 16); }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) {  // round to nearest even
+  f16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+  return h;
+}
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {  // round to nearest even
+  bf16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+  return h;
 }
 
 // Round-trip through T: the value a T store followed by a load would give.

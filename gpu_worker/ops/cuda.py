@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 NVRTC_OPTIONS = ("--std=c++17",)
-CTYPE = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+# C++ element type per torch dtype (common.cuh: 16-bit types are storage structs, no CUDA headers)
+CTYPE = {torch.float16: "llmserve::f16", torch.bfloat16: "llmserve::bf16", torch.float32: "float"}
 HALF_TYPES = (torch.float16, torch.bfloat16)
 KERNEL_TYPES = (*HALF_TYPES, torch.float32)
 
@@ -125,7 +126,7 @@ def hot_name_expressions() -> dict[str, list[str]]:
 
 
 def kernel_source(filename: str) -> str:
-    """A .cu file with common.cuh inlined, so NVRTC needs no include path."""
+    """A .cu file with common.cuh inlined: NVRTC then needs no include path at all."""
     common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
     return (KERNEL_DIR / filename).read_text().replace('#include "common.cuh"', common)
 

@@ -48,15 +48,15 @@ def test_vec_width_and_support():
 
 
 def test_kernel_names_and_sources():
-    assert cuda.decode_kernel_name(torch.bfloat16, 128, 16, 4) == "llmserve::paged_decode_kernel<__nv_bfloat16, 128, 16, 4, 4>"
+    assert cuda.decode_kernel_name(torch.bfloat16, 128, 16, 4) == (
+        "llmserve::paged_decode_kernel<llmserve::bf16, 128, 16, 4, 4>")
     assert cuda.norm_kernel_name(True, torch.float16, torch.float32, 8, 8) == (
-        "llmserve::fused_add_rms_norm_kernel<__half, float, 8, 8>")
+        "llmserve::fused_add_rms_norm_kernel<llmserve::f16, float, 8, 8>")
     for filename in cuda.hot_name_expressions():
         src = cuda.kernel_source(filename)
         assert '#include "common.cuh"' not in src and "namespace llmserve" in src
-        assert "#include <cuda_bf16.h>" in src  # the only includes: headers NVRTC ships
-        includes = {line.strip() for line in src.splitlines() if line.startswith("#include")}
-        assert includes == {"#include <cuda_fp16.h>", "#include <cuda_bf16.h>"}
+        # NVRTC ships no CUDA headers and CuPy's include paths vary: the sources include nothing
+        assert not [line for line in src.splitlines() if line.lstrip().startswith("#include")]
 
 
 # ------------------------------------------------------------------ random paged batches
