@@ -15,13 +15,15 @@ from llmserve import model_store
 
 logger = structlog.get_logger(__name__)
 
-# CPU compute dtype, measured on this repo's dev machine (see report / bench): bf16 GEMMs ran
-# ~2x faster than fp32 on AVX512-BF16 cores.
-CPU_DTYPE = torch.bfloat16
+# CPU compute dtype. bf16 GEMMs run ~2x faster than fp32 on AVX512-BF16 cores, but bf16 CPU GEMM
+# results depend on the batch shape, so greedy output changed with batch composition and prefix-cache
+# hits (seen end to end: "Name three colors." answered differently alone and with a cached prefix).
+# fp32 keeps a sequence's tokens independent of what it is batched with; `--dtype bfloat16` opts in.
+CPU_DTYPE = torch.float32
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
-    """Compute dtype for a device: bf16 on CPU and on GPUs that support it, else fp16."""
+    """Compute dtype for a device: fp32 on CPU; bf16 on GPUs that support it, else fp16."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return CPU_DTYPE
