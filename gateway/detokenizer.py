@@ -52,8 +52,13 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
 
     def flush(self) -> str:
-        """At the end: whatever is still held back (a trailing partial character decodes as U+FFFD)."""
+        """At the end: whatever is still held back, less a trailing partial character.
+
+        A completion cut by max_new_tokens can stop inside a multi-byte character; those bytes are
+        no text, so they are dropped rather than sent as U+FFFD (the token ids still carry them).
+        """
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.ids[self.prefix_offset:])
         self._slide()
-        return full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        tail = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        return tail.rstrip(REPLACEMENT)

@@ -78,3 +78,11 @@ def test_builder_error_event_raises_mapped_status(tokenizer):
     with pytest.raises(DeadlineExceeded):
         builder.feed(queue_pb2.TokenEvent(index=0, final=True,
                                           error=queue_pb2.EventError(code="DEADLINE_EXCEEDED", message="late")))
+
+
+def test_completion_cut_inside_a_character_ends_without_replacement_char(tokenizer):
+    ids = tokenizer.encode("ok 🌍", add_special_tokens=False).ids
+    assert len(ids) > 2
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.feed([i]) for i in ids[:-1]) + detok.flush()  # last byte of the emoji never came
+    assert text == "ok "
