@@ -138,3 +138,28 @@ def test_gather_context_orders_blocks_by_table():
     cache = torch.arange(6 * 4).view(6, 4, 1, 1).float()  # block i holds 4i .. 4i+3
     table = torch.tensor([5, 0, 3], dtype=torch.int32)
     assert cuda.gather_context(cache, table, 10).flatten().tolist() == [20, 21, 22, 23, 0, 1, 2, 3, 12, 13]
+
+
+# ------------------------------------------------------------------ CUDA-graph static inputs (padding)
+
+
+def test_static_decode_inputs_pad_rows_write_nothing_and_read_nothing():
+    from gpu_worker.model.metadata import AttentionMetadata
+    from gpu_worker.ops.cuda_graphs import _StaticDecodeInputs
+
+    static = _StaticDecodeInputs(batch=4, max_blocks=6, device=torch.device("cpu"))
+    i32 = dict(dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([33, 70]), num_prefills=0, num_prefill_tokens=0,
+        prefill_query_start_loc=torch.zeros(1, **i32), prefill_context_lens=torch.zeros(0, **i32),
+        prefill_block_tables=torch.zeros(0, 3, **i32), decode_context_lens=torch.tensor([34, 7], **i32),
+        decode_block_tables=torch.tensor([[2, 9, 5], [4, 0, 0]], **i32), logits_indices=torch.arange(2))
+    static.block_tables.fill_(99)  # stale rows from an earlier, wider step
+    static.load(torch.tensor([11, 12]), torch.tensor([33, 6]), meta)
+    assert static.input_ids.tolist() == [11, 12, 0, 0]
+    assert static.positions.tolist() == [33, 6, 0, 0]
+    assert static.slot_mapping.tolist() == [33, 70, -1, -1]      # padding rows skip the KV write
+    assert static.context_lens.tolist() == [34, 7, 0, 0]         # and attend to nothing
+    assert static.block_tables[:2].tolist() == [[2, 9, 5, 0, 0, 0], [4, 0, 0, 0, 0, 0]]
+    assert static.meta.decode_block_tables is static.block_tables
+    assert static.meta.logits_indices.tolist() == [0, 1, 2, 3]
