@@ -46,6 +46,7 @@ class ScriptedWorker:
     """Reads every priority's work stream (XREAD + XDEL) and answers by request_id prefix:
 
         idle-*   never answers            err-*   final error UNAVAILABLE
+        hold-*   holds the request 200 ms (counted in active/peak), then answers
         slow-*   one token / 50 ms until cancelled (final CANCELLED)
         other    ANSWER, 2 tokens per event, final LENGTH
     """
@@ -55,6 +56,8 @@ class ScriptedWorker:
     items: list[queue_pb2.WorkItem] = field(default_factory=list)
     saw_cancel: set[str] = field(default_factory=set)
     tasks: set = field(default_factory=set)
+    active: int = 0
+    peak: int = 0       # most requests of one tenant being served at once, worker side
 
     async def run(self) -> None:
         streams = {keys.work_stream(MODEL, p): "$" for p in keys.PRIORITY_ORDER}
@@ -80,6 +83,15 @@ class ScriptedWorker:
 
     async def serve(self, item) -> None:
         rid = item.request_id
+        if rid.startswith("hold-"):
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            try:
+                await asyncio.sleep(0.2)
+                return await self.emit(item, index=0, token_ids=self.answer_ids[:2], final=True,
+                                       finish_reason=pb.FINISH_REASON_LENGTH)
+            finally:
+                self.active -= 1
         if rid.startswith("idle-"):
             return
         if rid.startswith("err-"):
