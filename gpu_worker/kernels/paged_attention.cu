@@ -157,9 +157,13 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE) paged_decode_kernel(
   const int* __restrict__ table = block_tables + (long long)seq * max_blocks;
   const float neg_inf = __int_as_float(0xff800000);
 
-  // Stage 2: stream this warp's KV blocks through the online softmax.
+  // Stage 2: stream this warp's KV blocks through the online softmax. The next block id is read
+  // one iteration ahead, so the table -> K dependency does not serialise two memory latencies.
+  int phys_next = (blk_begin + warp < blk_end) ? table[blk_begin + warp] : 0;
   for (int blk = blk_begin + warp; blk < blk_end; blk += NUM_WARPS) {
-    const long long base = (long long)table[blk] * block_stride + kv_head * HEAD_DIM;
+    const int phys = phys_next;
+    if (blk + NUM_WARPS < blk_end) phys_next = table[blk + NUM_WARPS];
+    const long long base = (long long)phys * block_stride + kv_head * HEAD_DIM;
     const int first_token = blk * BLOCK_SIZE;
 
     // 2a: issue the block's K (and V) loads before the first use (memory-level parallelism).
