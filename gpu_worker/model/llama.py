@@ -126,6 +126,15 @@ class LlamaModel(nn.Module):
         # [context_length, D] fp32 cos | sin; a buffer so .to(device) moves it along
         self.register_buffer("cos_sin", cos_sin_table(c, c.context_length, device), persistent=False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype (use it for the KV cache)."""
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
     @torch.inference_mode()
     def forward(
         self,
