@@ -127,7 +127,8 @@ class Flow:
         return Meta.from_redis(raw)
 
     # -- admission -----------------------------------------------------------------------------------------
-    def _model(self, call: Call, request: pb.GenerateRequest) -> ModelInfo:
+    def model_for(self, call: Call, request) -> ModelInfo:
+        """The served model a request names, if its tenant may use it."""
         model = self.catalog.get(request.model)
         if not call.tenant.may_use(model.id):
             raise PermissionDenied(f"tenant {call.tenant.id} may not use model {model.id}")
@@ -135,7 +136,7 @@ class Flow:
 
     async def _submit(self, call: Call, request: pb.GenerateRequest) -> Meta | None:
         arrival = now_ms()
-        model = self._model(call, request)
+        model = self.model_for(call, request)
         validate_request(request, self.limits)
         prompt_ids = await self.catalog.encode(model.id, request.prompt, request.messages, call.deadline)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.context_length,

@@ -5,7 +5,6 @@ Encode calls go to tokenizer_svc with a deadline and jittered retries.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 

@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from llmserve import redis_client
-from llmserve.errors import InvalidArgument, ServiceError
+from llmserve.errors import InvalidArgument
 from llmserve.log import bind_request
 from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
@@ -185,7 +185,7 @@ class InferenceService:
         return pb.CancelResponse()
 
     async def _tokenize(self, call: Call, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        model = self.flow._model(call, request)
+        model = self.flow.model_for(call, request)
         check_input(request.text, request.messages, self.flow.limits, prompt_field="text")
         ids = await self.catalog.encode(model.id, request.text, request.messages, call.deadline)
         return pb.TokenizeResponse(token_ids=ids)
