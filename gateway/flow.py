@@ -74,17 +74,19 @@ class Meta:
     stops: list[str]
     arrival_ms: int
     enqueued_ms: int
+    work_key: str = ""     # the work stream and entry id of the queued item (to tell queued from dispatched)
+    entry_id: str = ""
 
     def to_redis(self) -> dict[str, str]:
         return {"owner": self.owner, "model": self.model, "prompt_tokens": str(self.prompt_tokens),
                 "cost": str(self.cost), "stops": json.dumps(self.stops), "arrival_ms": str(self.arrival_ms),
-                "enqueued_ms": str(self.enqueued_ms)}
+                "enqueued_ms": str(self.enqueued_ms), "work_key": self.work_key, "entry_id": self.entry_id}
 
     @classmethod
     def from_redis(cls, raw: dict) -> "Meta":
         d = {k.decode(): v.decode() for k, v in raw.items()}
         return cls(d["owner"], d["model"], int(d["prompt_tokens"]), int(d["cost"]), json.loads(d["stops"]),
-                   int(d["arrival_ms"]), int(d["enqueued_ms"]))
+                   int(d["arrival_ms"]), int(d["enqueued_ms"]), d.get("work_key", ""), d.get("entry_id", ""))
 
 
 class Flow:
@@ -175,7 +177,12 @@ class Flow:
         key = keys.request_meta(call.tenant.id, call.request_id)
         if not await self.redis.hsetnx(key, "owner", call.tenant.id):
             return False
-        await self.redis.expire(key, self.settings.events_ttl_s)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            # Leftovers of an expired earlier request with this id must not leak into this one.
+            pipe.delete(keys.events_stream(call.tenant.id, call.request_id), keys.cancel_key(call.tenant.id,
+                                                                                             call.request_id))
+            pipe.expire(key, self.settings.events_ttl_s)
+            await pipe.execute()
         return True
 
     def _work_item(self, call: Call, meta: Meta, prompt_ids: list[int], sampling: queue_pb2.ResolvedSampling,
@@ -190,9 +197,12 @@ class Flow:
 
     async def _enqueue(self, call: Call, meta: Meta, item: queue_pb2.WorkItem) -> None:
         key = keys.request_meta(call.tenant.id, call.request_id)
+        meta.work_key = keys.work_stream(meta.model, item.priority)
         try:
             await self.redis.hset(key, mapping=meta.to_redis())
-            await self.redis.xadd(keys.work_stream(meta.model, item.priority), {"item": item.SerializeToString()})
+            entry_id = await self.redis.xadd(meta.work_key, {"item": item.SerializeToString()})
+            meta.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            await self.redis.hset(key, "entry_id", meta.entry_id)
         except Exception:
             await self.redis.delete(key)
             await self.quota.release(limits_of(call.tenant), call.request_id, 0)
@@ -269,6 +279,7 @@ class Flow:
                 await self.cancel(call.tenant.id, call.request_id)
             else:
                 await self.redis.hset(meta_key, "done", "1")
+            await self.redis.expire(meta_key, self.settings.events_ttl_s)  # outlive the events stream
             await self.quota.release(limits_of(call.tenant), call.request_id, used)
         except Exception as exc:  # noqa: BLE001 - background cleanup; the lease TTL is the backstop
             logger.warning("cleanup failed; lease will expire", error=repr(exc))

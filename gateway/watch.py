@@ -34,6 +34,7 @@ class Watch:
         self.first_token_ms: float | None = None
         self.last_chunk_s: float | None = None
         self.cancel_seen_s: float | None = None
+        self.dispatched = False
         self.next_renew_s = time.monotonic() + settings.lease_ttl_s / 3
 
     # -- the loop's timing ---------------------------------------------------------------------------------
@@ -55,14 +56,25 @@ class Watch:
         now = time.monotonic()
         if self.call.deadline is not None and now >= self.call.deadline:
             raise DeadlineExceeded("deadline exceeded while generating")
-        if self.first_event is None and _now_ms() - self.meta.enqueued_ms > self.settings.max_queue_wait_s * 1000:
-            raise Unavailable(f"overloaded: no worker took the request within {self.settings.max_queue_wait_s} s")
+        if self.first_event is None and not self.dispatched and \
+                _now_ms() - self.meta.enqueued_ms > self.settings.max_queue_wait_s * 1000:
+            await self._check_still_queued()
         if now >= self.next_renew_s:
             self.next_renew_s = now + self.settings.lease_ttl_s / 3
             await self.quota.renew(self.call.tenant.id, self.call.request_id)
         if got_events:
             return True
         return await self._cancel_pending(now)
+
+    async def _check_still_queued(self) -> None:
+        """Past the max queue wait: fail if the item still sits in the work stream (the batcher
+        XDELs what it dispatched; a dispatched request may still be in a long prefill)."""
+        if self.meta.work_key and self.meta.entry_id:
+            queued = await self.redis.xrange(self.meta.work_key, self.meta.entry_id, self.meta.entry_id)
+            if not queued:
+                self.dispatched = True
+                return
+        raise Unavailable(f"overloaded: no worker took the request within {self.settings.max_queue_wait_s} s")
 
     async def _cancel_pending(self, now: float) -> bool:
         if self.cancel_seen_s is None:

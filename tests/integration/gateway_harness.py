@@ -45,7 +45,9 @@ async def start_tokenizer_server(model_tokenizer) -> tuple[grpc.aio.Server, str]
 class ScriptedWorker:
     """Reads every priority's work stream (XREAD + XDEL) and answers by request_id prefix:
 
-        idle-*   never answers            err-*   final error UNAVAILABLE
+        idle-*   never dispatched (stays in the work stream), never answered
+        err-*    final error UNAVAILABLE
+        late-*   dispatched, first event only after 3 s (a long prefill), then like other
         hold-*   holds the request 200 ms (counted in active/peak), then answers
         slow-*   one token / 50 ms until cancelled (final CANCELLED)
         other    ANSWER, 2 tokens per event, final LENGTH
@@ -68,8 +70,9 @@ class ScriptedWorker:
                     streams[stream.decode()] = entry_id
                     if b"item" not in fields:
                         continue
-                    await self.redis.xdel(stream, entry_id)
                     item = queue_pb2.WorkItem.FromString(fields[b"item"])
+                    if not item.request_id.startswith("idle-"):  # idle items stay queued, never dispatched
+                        await self.redis.xdel(stream, entry_id)
                     self.items.append(item)
                     task = asyncio.create_task(self.serve(item))
                     self.tasks.add(task)
@@ -98,6 +101,8 @@ class ScriptedWorker:
             return await self.emit(item, final=True, error=queue_pb2.EventError(code="UNAVAILABLE", message="boom"))
         if rid.startswith("slow-"):
             return await self.serve_slow(item)
+        if rid.startswith("late-"):
+            await asyncio.sleep(3.0)  # a long prefill: dispatched, but no event for a while
         ids = self.answer_ids[:item.sampling.max_new_tokens]
         for start in range(0, len(ids), 2):
             if await self.redis.exists(item.cancel_key):

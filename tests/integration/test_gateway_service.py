@@ -305,3 +305,9 @@ async def test_sighup_reload_keeps_streams(env, tmp_path):
     finally:
         path.write_text(original)
         env.service.tenants.reload()
+
+
+async def test_dispatched_request_outlives_max_queue_wait(env):
+    """Past max_queue_wait_s a request that left the work stream (dispatched, e.g. in a long prefill) goes on."""
+    chunks, _ = await stream(env, req("late-longwait"))   # first event after 3 s > max_queue_wait_s (2 s)
+    assert "".join(c.text for c in chunks) == ANSWER and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
