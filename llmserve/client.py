@@ -250,7 +250,7 @@ class Client:
                     time.sleep(sleep)
                     attempt += 1
         finally:
-            if not cursor.finished:
+            if cursor.started and not cursor.finished:
                 self._abandon(call, request.request_id)
 
     def _abandon(self, call, request_id: str) -> None:
@@ -342,7 +342,7 @@ class AsyncClient:
                     await asyncio.sleep(sleep)
                     attempt += 1
         finally:
-            if not cursor.finished:
+            if cursor.started and not cursor.finished:
                 if call is not None:
                     call.cancel()
                 try:

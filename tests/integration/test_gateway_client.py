@@ -107,3 +107,14 @@ async def test_stream_survives_gateway_replacement(env):
     assert "".join(c.text for c in chunks) == env.mt.decode(ids, skip_special_tokens=True)
     assert [i.request_id for i in env.worker.items].count("slow-replace") == 1
     assert "slow-replace" not in env.worker.saw_cancel
+
+
+async def test_closing_the_iterator_cancels_the_request(env):
+    async with AsyncClient(env.target, api_key="acme-key") as client:
+        stream = client.generate("go", max_new_tokens=60, request_id="slow-abandon", timeout=60)
+        assert (await stream.__anext__()).index == 0
+        await stream.aclose()
+    deadline = asyncio.get_running_loop().time() + 15
+    while "slow-abandon" not in env.worker.saw_cancel:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
