@@ -81,6 +81,15 @@ class GreedyRunner:
         return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The shared 2-core test machine is oversubscribed; one intra-op thread avoids OpenMP spin stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path):
     return load_tokenizer(smollm2_path)
