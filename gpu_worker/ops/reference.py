@@ -70,8 +70,9 @@ def write_kv_cache(
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """cache: [num_blocks_total, bs, Hk, D], block_tables: [B, >=num_blocks] -> [B, num_blocks * bs, Hk, D]."""
-    blocks = cache[block_tables[:, :num_blocks].long()]  # [B, num_blocks, bs, Hk, D]
-    return blocks.flatten(1, 2)
+    table = block_tables[:, :num_blocks].long()  # [B, num_blocks]
+    blocks = cache.index_select(0, table.flatten())  # [B * num_blocks, bs, Hk, D]
+    return blocks.view(table.shape[0], num_blocks * cache.shape[1], *cache.shape[2:])
 
 
 def paged_decode_attention(
@@ -86,39 +87,48 @@ def paged_decode_attention(
 
     q: [B, Hq, D], k_cache/v_cache: [num_blocks, bs, Hk, D], block_tables: [B, max_blocks] int32,
     context_lens: [B] int32 -> [B, Hq, D]. Query head h reads kv head h // (Hq // Hk).
-    Torch's CPU SDPA kernel accumulates bf16/fp16 in fp32 (and ran ~2x faster here than
-    an explicit fp32 matmul + softmax, which must first upcast the gathered K/V).
+
+    GQA is folded into the query axis: the G = Hq / Hk query heads sharing a kv head become G
+    "queries" of one SDPA head, so K/V are read once and never repeated. Torch's CPU SDPA kernel
+    accumulates bf16/fp16 in fp32.
     """
-    block_size = k_cache.shape[1]
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     num_blocks = -(-int(context_lens.max()) // block_size)
     k = _gather_blocks(k_cache, block_tables, num_blocks).transpose(1, 2)  # [B, Hk, L, D]
     v = _gather_blocks(v_cache, block_tables, num_blocks).transpose(1, 2)
     key_pos = torch.arange(k.shape[2], device=q.device)
     valid = key_pos[None, :] < context_lens.to(q.device).long()[:, None]  # [B, L]
+    q_grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hk, G, D]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale,
-        enable_gqa=True,
-    )  # [B, Hq, 1, D]
-    return out.squeeze(2)
+        q_grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :], scale=scale
+    )  # [B, Hk, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _prefill_one(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     context_len: int, scale: float,
 ) -> torch.Tensor:
-    """q: [L, Hq, D] queries at context positions context_len - L .. context_len - 1 -> [L, Hq, D]."""
-    q_len = q.shape[0]
-    block_size = k_cache.shape[1]
+    """q: [L, Hq, D] queries at context positions context_len - L .. context_len - 1 -> [L, Hq, D].
+
+    GQA folded as in decode: [Hk, G * L, D] queries against [Hk, C, D] keys, the causal mask tiled G times.
+    """
+    q_len, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
     num_blocks = -(-context_len // block_size)
     k = _gather_blocks(k_cache, block_table[None], num_blocks)[0, :context_len]  # [C, Hk, D]
     v = _gather_blocks(v_cache, block_table[None], num_blocks)[0, :context_len]
     q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
     causal = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [L, C]
+    q_grouped = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, L, D]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-        attn_mask=causal, scale=scale, enable_gqa=True,
-    )  # [Hq, L, D]
-    return out.transpose(0, 1)
+        q_grouped.reshape(num_kv_heads, group * q_len, head_dim),
+        k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+        attn_mask=causal.repeat(group, 1), scale=scale,
+    )  # [Hk, G * L, D]
+    return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
 
 
 def paged_prefill_attention(
