@@ -137,7 +137,8 @@ def mismatches(records: list[StreamRecord], baseline: list[StreamRecord]) -> lis
         if got.error:
             out.append(f"{got.request_id}: failed {got.error}")
         elif got.token_ids != want.token_ids or got.text != want.text:
-            out.append(f"{got.request_id}: output differs from the fault-free run")
+            out.append(f"{got.request_id}: output differs from the fault-free run ({len(got.token_ids)} vs "
+                       f"{len(want.token_ids)} tokens, finish {got.finish_reason}, text {got.text[:40]!r})")
         elif not got.contiguous():
             out.append(f"{got.request_id}: indices not contiguous {got.chunk_indices}")
         elif got.finish_reason not in ("stop", "length"):
