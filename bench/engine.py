@@ -173,9 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-batched-tokens", type=int, default=512)
-    parser.add_argument("--baseline-requests", type=int, default=2,
+    parser.add_argument("--baseline-requests", type=int, default=1,
                         help="requests the naive baseline runs per level (it serves one at a time, so its "
                              "tokens/s does not depend on concurrency)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per level; the best is kept")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -190,18 +191,28 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     agree = []
     for n in levels:
-        eng, eng_out = run_engine(model, prompts[:n], args.output_len, args)
-        base, base_out = run_baseline(model, prompts[:min(n, args.baseline_requests)], args.output_len, n)
+        # alternate the two systems and keep each one's best run: on a shared, noisy machine the
+        # best run is the closest estimate of what the code itself costs
+        engine_runs, base_runs = [], []
+        for _ in range(args.repeats):
+            eng, eng_out = run_engine(model, prompts[:n], args.output_len, args)
+            base, base_out = run_baseline(model, prompts[:min(n, args.baseline_requests)], args.output_len, n)
+            engine_runs.append(eng)
+            base_runs.append(base)
+            agree += [a == b for a, b in zip(eng_out, base_out)]
+        eng = max(engine_runs, key=lambda r: r.tokens_per_s)
+        base = max(base_runs, key=lambda r: r.tokens_per_s)
         results += [eng, base]
-        agree += [a == b for a, b in zip(eng_out, base_out)]
         print(f"x{n:<3} engine {eng.tokens_per_s:8.1f} tok/s (itl p50 {eng.itl_ms_p50:6.1f} ms)   "
               f"naive {base.tokens_per_s:7.1f} tok/s (itl p50 {base.itl_ms_p50:6.1f} ms)   "
-              f"speed-up {eng.tokens_per_s / base.tokens_per_s:5.2f}x", flush=True)
+              f"speed-up {eng.tokens_per_s / base.tokens_per_s:5.2f}x   "
+              f"(runs engine {[round(r.tokens_per_s, 1) for r in engine_runs]} "
+              f"naive {[round(r.tokens_per_s, 1) for r in base_runs]})", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     meta = {"model": args.model, "dtype": dtype, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "threads": torch.get_num_threads(), "greedy_outputs_equal_baseline": f"{sum(agree)}/{len(agree)}"}
+            "threads": torch.get_num_threads(), "repeats": args.repeats, "greedy_outputs_equal_baseline": f"{sum(agree)}/{len(agree)}"}
     (out / "engine.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2))
     plot(results, out / "engine_tokens_per_s.png",
          f"{args.model} CPU {dtype}, prompt {args.prompt_len}, output {args.output_len}")

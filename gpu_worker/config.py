@@ -28,6 +28,7 @@ class WorkerSettings(CommonSettings):
     drain_timeout_s: float = setting(30.0, "seconds running sequences may finish on drain before handoff")
     max_inbox_batches: int = setting(4, "inbox entries read per poll")
     warmup: bool = setting(True, "run one forward before reporting SERVING")
+    torch_threads: int = setting(0, "CPU threads for torch ops (0 = torch's default)")
 
     def validate(self) -> None:
         super().validate()
@@ -42,6 +43,7 @@ class WorkerSettings(CommonSettings):
         require(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
         require(self.events_ttl_s > 0, "events_ttl_s", "must be > 0")
         require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
         require(self.max_inbox_batches >= 1, "max_inbox_batches", "must be >= 1")
         require(not self.worker_id or ("{" not in self.worker_id and "}" not in self.worker_id),
                 "worker_id", "must not contain braces (they are Redis hash tags)")

@@ -41,6 +41,8 @@ MIN_BLOCKS = 4
 
 def build_engine(settings: WorkerSettings) -> LLMEngine:
     """Load the model and size the KV cache (blocking; run it in a thread)."""
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
     device = select_device(settings.device)
     model = load_model(settings.model, device, _DTYPES.get(settings.dtype))
     dtype = next(model.parameters()).dtype
@@ -139,6 +141,8 @@ class WorkerService:
         await self._tasks[0]
         await self._hand_back_rest()
         self._tasks[1].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._tasks[1]          # no heartbeat write may land after the HDEL
         with contextlib.suppress(*REDIS_ERRORS):
             await self.heartbeat.remove()
         logger.info("drained")
