@@ -18,14 +18,14 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from batcher import metrics
 from batcher.config import BatcherSettings
 from batcher.events import DropReason, final_event, is_expired, write_final
 from batcher.fair_queue import FairQueue, Held
 from batcher.reclaimer import Reclaimer
-from batcher.scripts import Scripts, Source
+from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool, blocks_needed
 from llmserve import keys
 from llmserve.v1 import queue_pb2
@@ -34,6 +34,10 @@ logger = structlog.get_logger(__name__)
 
 _IDLE_BLOCK_MS = 200       # longest a read blocks; bounds how late a stop is noticed
 _TOUCH_CHUNK = 500
+_PIPELINED = 8             # batches formed and dispatched per Redis round trip
+
+_Plan = tuple[Capacity, list[Held]]
+_Drop = tuple[Held, DropReason, str]
 
 
 def now_ms() -> int:
@@ -76,6 +80,8 @@ class ModelBatcher:
             try:
                 await self.step()
                 backoff = 0.05
+            except NoScriptError:
+                await self.scripts.load()  # Redis restarted or flushed its script cache
             except (RedisError, OSError) as exc:
                 logger.warning("redis error in batch loop", model=self.model, error=repr(exc))
                 await asyncio.sleep(backoff)
@@ -175,69 +181,89 @@ class ModelBatcher:
         """Dispatch batches while one is due (full or waited long enough); returns items sent."""
         sent = 0
         while self.queue and (force or self._ready(time.monotonic())):
-            cap = self.pool.best(now_ms())
-            if cap is None:
-                metrics.NO_CAPACITY.labels(self.model).inc()
-                return sent
-            batch, dropped = self._form(cap)
-            if not batch and not dropped:
-                metrics.NO_CAPACITY.labels(self.model).inc()
-                return sent  # the worker with most room cannot take the next item yet
+            plans, dropped = self._plan(force)
             if dropped:
                 await self.drop(dropped)
-            batch = await self._without_cancelled(batch)
-            if batch:
-                sent += await self._send(cap, batch)
+            if not plans and not dropped:
+                metrics.NO_CAPACITY.labels(self.model).inc()
+                return sent  # the worker with most room cannot take the next item yet
+            sent += await self._send(await self._without_cancelled(plans))
         return sent
 
-    def _form(self, cap: Capacity) -> tuple[list[Held], list[tuple[Held, DropReason, str]]]:
-        """Take one batch for `cap` from the queue; expired and unfittable items come back as drops."""
-        budget = _Budget(self, cap)
-        taken = self.queue.take(budget.admit)
-        batch = [h for h in taken if h not in budget.drops]
-        return batch, list(budget.drops.values())
+    def _plan(self, force: bool) -> tuple[list[_Plan], list[_Drop]]:
+        """Up to _PIPELINED due batches, each for the worker with most room, capacity reserved."""
+        plans: list[_Plan] = []
+        dropped: list[_Drop] = []
+        while len(plans) < _PIPELINED and self.queue and (force or self._ready(time.monotonic())):
+            cap = self.pool.best(now_ms())
+            if cap is None:
+                break
+            budget = _Budget(self, cap)
+            taken = self.queue.take(budget.admit)
+            dropped += budget.drops.values()
+            batch = [h for h in taken if h not in budget.drops]
+            if not batch:
+                if not budget.drops:
+                    break
+                continue
+            self.pool.reserve(cap.worker_id, budget.reserved_blocks, len(batch), now_ms())
+            plans.append((cap, batch))
+        return plans, dropped
 
-    async def _without_cancelled(self, batch: list[Held]) -> list[Held]:
-        cancellable = [h for h in batch if h.item.cancel_key]
+    async def _without_cancelled(self, plans: list[_Plan]) -> list[_Plan]:
+        """Drop items whose cancel key exists (one pipelined EXISTS per item, all plans at once)."""
+        cancellable = [h for _, batch in plans for h in batch if h.item.cancel_key]
         if not cancellable:
-            return batch
+            return plans
         pipe = self.redis.pipeline(transaction=False)
         for held in cancellable:
             pipe.exists(held.item.cancel_key)
-        cancelled = {id(h) for h, hit in zip(cancellable, await pipe.execute()) if hit}
-        if cancelled:
-            await self.drop([(h, DropReason.CANCELLED, "") for h in batch if id(h) in cancelled])
-        return [h for h in batch if id(h) not in cancelled]
+        cancelled = {h for h, hit in zip(cancellable, await pipe.execute()) if hit}
+        if not cancelled:
+            return plans
+        await self.drop([(h, DropReason.CANCELLED, "") for h in cancelled])
+        kept = [(cap, [h for h in batch if h not in cancelled]) for cap, batch in plans]
+        return [(cap, batch) for cap, batch in kept if batch]
 
-    async def _send(self, cap: Capacity, batch: list[Held], attempts: int = 2) -> int:
-        """Hand `batch` to the worker atomically; items another replica took over are forgotten."""
-        message = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=[h.item for h in batch],
-                                  created_unix_ms=now_ms())
+    async def _send(self, plans: list[_Plan]) -> int:
+        """Hand each batch to its worker atomically, all in one pipeline.
+
+        Items another replica took over are forgotten; on a Redis error every
+        item goes back to the queue (the ownership check settles the outcome).
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        for cap, batch in plans:
+            message = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=[h.item for h in batch],
+                                      created_unix_ms=now_ms())
+            self.scripts.add_dispatch(pipe, keys.inbox_stream(self.model, cap.worker_id),
+                                      keys.inboxes_set(self.model), cap.worker_id, keys.INBOX_GROUP,
+                                      self.consumer, _sources(batch), message.SerializeToString())
         try:
-            result = await self.scripts.dispatch(
-                keys.inbox_stream(self.model, cap.worker_id), keys.inboxes_set(self.model), cap.worker_id,
-                keys.INBOX_GROUP, self.consumer, _sources(batch), message.SerializeToString())
+            replies = await pipe.execute()
         except (RedisError, OSError):
-            self.queue.extend(batch)  # outcome unknown: the ownership check settles it on the next try
+            for _, batch in plans:
+                self.queue.extend(batch)
             raise
-        if not result.ok:
-            lost = set(result.lost)
-            metrics.CONFLICTS.labels(self.model).inc(len(lost))
-            rest = [h for h in batch if h.ref not in lost]
-            return await self._send(cap, rest, attempts - 1) if rest and attempts > 1 else 0
-        self._record(cap, batch)
-        return len(batch)
+        sent = 0
+        for (cap, batch), reply in zip(plans, replies):
+            result = dispatch_result(reply, _sources(batch))
+            if result.ok:
+                self._record(batch)
+                sent += len(batch)
+            else:  # some entries are no longer ours: forget those, retry the rest
+                lost = set(result.lost)
+                metrics.CONFLICTS.labels(self.model).inc(len(lost))
+                self.queue.extend(h for h in batch if h.ref not in lost)
+        return sent
 
-    def _record(self, cap: Capacity, batch: list[Held]) -> None:
-        blocks = sum(blocks_needed(h.item, cap.block_size, self.settings.decode_reserve) for h in batch)
-        self.pool.reserve(cap.worker_id, blocks, len(batch), now_ms())
+    def _record(self, batch: list[Held]) -> None:
         wait = time.monotonic() - min(h.read_at for h in batch)
         metrics.BATCH_SIZE.labels(self.model).observe(len(batch))
         metrics.BATCH_PROMPT_TOKENS.labels(self.model).observe(sum(h.prompt_tokens for h in batch))
         metrics.FILL_WAIT.labels(self.model).observe(max(0.0, wait))
         metrics.DISPATCHED.labels(self.model).inc(len(batch))
 
-    async def drop(self, drops: list[tuple[Held, DropReason, str]]) -> None:
+    async def drop(self, drops: list[_Drop]) -> None:
         """End items without dispatch: final event first, then ack (if still ours)."""
         await write_final(self.redis, [(h.item, final_event(h.item, reason, detail)) for h, reason, detail in drops],
                           self.settings.events_ttl_s)
@@ -306,7 +332,8 @@ class _Budget:
         self.blocks = cap.free_blocks
         self.largest_total = max((c.total_blocks for c in owner.pool.accepting(now_ms())), default=0)
         self.now_ms = now_ms()
-        self.drops: dict[Held, tuple[Held, DropReason, str]] = {}
+        self.drops: dict[Held, _Drop] = {}
+        self.reserved_blocks = 0
 
     def admit(self, held: Held) -> bool:
         if is_expired(held.item, self.now_ms):
@@ -324,6 +351,7 @@ class _Budget:
             return False
         self.seqs -= 1
         self.blocks -= need
+        self.reserved_blocks += need
         self.tokens += held.prompt_tokens
         return True
 

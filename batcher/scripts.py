@@ -90,30 +90,48 @@ class DispatchResult:
 
 
 class Scripts:
-    """The batcher's Lua scripts registered on one client (EVALSHA with EVAL fallback)."""
+    """The batcher's Lua scripts, loaded once (`load()`) and run by EVALSHA, alone or in pipelines."""
 
     def __init__(self, redis: aioredis.Redis) -> None:
-        self._dispatch = redis.register_script(_DISPATCH)
-        self._touch = redis.register_script(_TOUCH)
+        self.redis = redis
+        self._sha: dict[str, str] = {}
 
-    async def dispatch(self, inbox: str, inboxes: str, worker_id: str, inbox_group: str, consumer: str,
-                       sources: Sequence[Source], batch: bytes) -> DispatchResult:
-        """Move `sources` into `inbox` as one batch entry (or just ack them when `batch` is b'')."""
+    async def load(self) -> None:
+        """(Re)load the scripts; needed after Redis lost its script cache (NOSCRIPT)."""
+        for name, body in (("dispatch", _DISPATCH), ("touch", _TOUCH)):
+            self._sha[name] = _text(await self.redis.script_load(body))
+
+    def add_dispatch(self, pipe, inbox: str, inboxes: str, worker_id: str, inbox_group: str, consumer: str,
+                     sources: Sequence[Source], batch: bytes) -> None:
+        """Queue one dispatch on `pipe`; read its reply with `dispatch_result`."""
         args: list[bytes | str | int] = [batch, worker_id, inbox_group, consumer]
         for src in sources:
             args += [src.group, len(src.ids), *src.ids]
         keys = [inbox, inboxes, *(s.stream for s in sources)]
-        ok, payload = await self._dispatch(keys=keys, args=args)
-        if ok:
-            return DispatchResult(True, _text(payload))
-        lost = tuple((sources[int(payload[i])].stream, _text(payload[i + 1])) for i in range(0, len(payload), 2))
-        return DispatchResult(False, lost=lost)
+        pipe.evalsha(self._sha["dispatch"], len(keys), *keys, *args)
+
+    async def dispatch(self, inbox: str, inboxes: str, worker_id: str, inbox_group: str, consumer: str,
+                       sources: Sequence[Source], batch: bytes) -> DispatchResult:
+        """Move `sources` into `inbox` as one batch entry (or just ack them when `batch` is b'')."""
+        pipe = self.redis.pipeline(transaction=False)
+        self.add_dispatch(pipe, inbox, inboxes, worker_id, inbox_group, consumer, sources, batch)
+        [reply] = await pipe.execute()
+        return dispatch_result(reply, sources)
 
     async def touch(self, stream: str, group: str, consumer: str, ids: Sequence[str]) -> list[str]:
         """Refresh our pending entries; returns the ids another consumer now owns."""
         if not ids:
             return []
-        return [_text(i) for i in await self._touch(keys=[stream], args=[group, consumer, *ids])]
+        reply = await self.redis.evalsha(self._sha["touch"], 1, stream, group, consumer, *ids)
+        return [_text(i) for i in reply]
+
+
+def dispatch_result(reply: list, sources: Sequence[Source]) -> DispatchResult:
+    ok, payload = reply
+    if ok:
+        return DispatchResult(True, _text(payload))
+    lost = tuple((sources[int(payload[i])].stream, _text(payload[i + 1])) for i in range(0, len(payload), 2))
+    return DispatchResult(False, lost=lost)
 
 
 def _text(value: bytes | str) -> str:

@@ -41,6 +41,7 @@ class BatcherService:
         self._own_redis = redis is None
         self.models: dict[str, ModelBatcher] = {}
         self._tasks: list[asyncio.Task] = []
+        self._stopping = asyncio.Event()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Nothing beyond health and reflection."""
@@ -49,6 +50,7 @@ class BatcherService:
         if self._redis is None:
             self._redis = redis_client.connect(self.settings.redis_url, self.settings.redis_password)
         scripts = Scripts(self._redis)
+        await scripts.load()
         for model in self.settings.model_list():
             batcher = ModelBatcher(self._redis, scripts, self.settings, model, self.consumer)
             await batcher.ensure_groups()
@@ -62,23 +64,24 @@ class BatcherService:
         """Stop reading; each loop finishes its batch in hand and flushes what it holds."""
         for batcher in self.models.values():
             batcher.stop_reading()
-        stats = self._tasks.pop()
-        stats.cancel()
+        self._stopping.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(stats, return_exceptions=True)
 
     async def close(self) -> None:
         if self._own_redis and self._redis is not None:
             await self._redis.aclose()
 
     async def _stats_loop(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             for model in self.models:
                 try:
                     await self._publish_depth(model)
                 except (RedisError, OSError) as exc:
                     logger.debug("stats refresh failed", error=repr(exc))
-            await asyncio.sleep(self.settings.stats_interval_ms / 1000)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.settings.stats_interval_ms / 1000)
+            except asyncio.TimeoutError:
+                pass
 
     async def _publish_depth(self, model: str) -> None:
         """Depth = pending (read, not dispatched) + lag (not read); age from the oldest entry."""
