@@ -98,11 +98,15 @@ def gguf_name(hf: str) -> str:
     return f"blk.{n}.{_TO_GGUF[module]}.{kind}"
 
 
+STORAGE = {"attn": gguf.GGMLQuantizationType.F16, "ffn_gate": gguf.GGMLQuantizationType.Q4_0,
+           "ffn_up": gguf.GGMLQuantizationType.Q4_1}
+
+
 def qtype_for(name: str) -> gguf.GGMLQuantizationType:
-    """A mix of storage types: 1-D tensors F32, attention F16, the rest Q8_0."""
+    """A mix of storage types: 1-D tensors F32, attention F16, gate Q4_0, up Q4_1, the rest Q8_0."""
     if name.endswith("norm.weight") or name.endswith(".bias"):
         return gguf.GGMLQuantizationType.F32
-    return gguf.GGMLQuantizationType.F16 if "attn" in name else Q8
+    return next((t for key, t in STORAGE.items() if key in name), Q8)
 
 
 def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -127,10 +131,10 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> dict[
         elif name.endswith("attn_k.weight"):
             arr = llama_cpp_permute(arr, cfg["num_key_value_heads"])
         kind = qtype_for(name)
-        if kind == Q8:
-            data = quantize(arr, Q8)
-            writer.add_tensor(name, data, raw_dtype=Q8)
-            back = dequantize(data, Q8)
+        if kind in (Q8, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+            data = quantize(arr, kind)
+            writer.add_tensor(name, data, raw_dtype=kind)
+            back = dequantize(data, kind)
         elif kind == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, arr.astype(np.float16))
             back = arr.astype(np.float16).astype(np.float32)
@@ -288,12 +292,13 @@ def test_qwen2_qkv_bias(tmp_path):
         load_model(write_hf_dir(tmp_path / "q2", cfg, weights), "cpu", torch.float32)
 
 
-def test_gguf_f32_f16_q8_0_matches_hf_dir(tmp_path):
+def test_gguf_f32_f16_q8_0_q4_matches_hf_dir(tmp_path):
     cfg = TINY | {"model_type": "llama", "tie_word_embeddings": False}
     weights = make_weights(cfg, tied=False, bias=False, seed=3)
     stored = write_gguf(tmp_path / "tiny.gguf", cfg, weights)
     types = {t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "tiny.gguf")).tensors}
-    assert types == {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, Q8}
+    assert types == {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, Q8,
+                     gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1}
 
     from_gguf = load_model(tmp_path / "tiny.gguf", "cpu", torch.float32)
     c = from_gguf.config
@@ -334,6 +339,23 @@ def test_gguf_conversion_is_cached(tmp_path):
     assert target.stat().st_mtime_ns == mtime  # reused, not rewritten
     assert second.config == first.config
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
+
+
+def test_mistral_sliding_window_caps_context_and_eos_from_generation_config(tmp_path):
+    cfg = TINY | {"model_type": "mistral", "sliding_window": 64, "head_dim": 8}
+    weights = make_weights(cfg, tied=False, bias=False, seed=6)
+    path = write_hf_dir(tmp_path / "mistral", cfg, weights)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    model = load_model(path, "cpu", torch.float32)
+    assert (model.config.context_length, model.config.eos_token_ids, model.config.architecture) == (64, (2, 7), "mistral")
+    check_batched_steps(model, weights, cfg, inv_freq(model.config))
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    cfg = TINY | {"model_type": "gpt2"}
+    path = write_hf_dir(tmp_path / "gpt2", cfg, make_weights(cfg, tied=True, bias=False))
+    with pytest.raises(ValueError, match="gpt2"):
+        load_model(path, "cpu", torch.float32)
 
 
 def test_llama3_rope_scaling_config(tmp_path):
