@@ -88,7 +88,7 @@ class LLMServeError(Exception):
 class RetryPolicy:
     """Exponential backoff with full jitter: sleep before retry n is uniform in [0, min(max_s, initial_s * 2**n)]."""
 
-    max_attempts: int = 6
+    max_attempts: int = 10
     initial_s: float = 0.1
     max_backoff_s: float = 2.0
     rng: random.Random = field(default_factory=random.Random)

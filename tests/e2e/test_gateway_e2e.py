@@ -119,7 +119,8 @@ def test_client_sdk_resumes_across_gateway_restart(auth_metadata, stack):
         chunks.append(chunk)
         if len(chunks) == 4:
             stack.kill(doomed.name)
-            stack.start_gateway(doomed.port)
+            # the replacement is serving before the client's next read, so its retry budget is not what is tested
+            stack.start_gateway(doomed.port).wait_serving(time.monotonic() + 120)
     client.close()
     assert [c.index for c in chunks] == [sum(len(x.token_ids) for x in chunks[:i]) for i in range(len(chunks))]
     assert "".join(c.text for c in chunks) == reference.text
