@@ -22,6 +22,7 @@ from tokenizer_svc import chat_template
 from tokenizer_svc.gguf_vocab import build_tokenizer, read_vocab
 
 DEFAULT_CONTEXT_LENGTH = 2048
+GIL_FREE_CHARS = 2048  # above this, encode without holding the GIL (costs ~30 us more on tiny inputs)
 
 
 @dataclass
@@ -37,7 +38,12 @@ class ModelTokenizer:
     extra_special_tokens: dict[str, str] = field(default_factory=dict)  # unk_token, pad_token ... for templates
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognised (as in HF)."""
+        """Token ids of `text`; special tokens written in the text are recognised (as in HF).
+
+        Long texts go through `encode_batch_fast`, which releases the GIL (plain `encode` holds
+        it throughout) and skips offsets: other threads of the process run meanwhile."""
+        if len(text) > GIL_FREE_CHARS:
+            return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:

@@ -6,7 +6,8 @@
 
 A process that dies (EOF on its socket) is replaced; each of its in-flight jobs is
 sent once more to a live process (or waits in the backlog for the replacement);
-a job whose second process dies too fails UNAVAILABLE.
+a job that was running when a second process died fails UNAVAILABLE (a request
+that kills processes must not kill the whole pool).
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class Pool:
     def _dispatch(self, job: Job) -> None:
         if job.future.done():  # its caller gave up while it waited for a process
             return
-        ready = [w for w in self.workers.values() if w.ready]
+        # is_alive() reaps a killed process at once, before its socket's EOF is read: a retry must not
+        # land on a process that died in the same incident.
+        ready = [w for w in self.workers.values() if w.ready and w.process.is_alive()]
         if not ready:
             self.backlog.append(job)
             return
@@ -183,8 +186,8 @@ class Pool:
         worker.ready = False
         worker.writer.close()
         metrics.POOL_PROCESSES.set(len(self.pids()))
-        jobs = [worker.finish(job_id) for job_id in list(worker.inflight)]
-        await asyncio.get_running_loop().run_in_executor(None, worker.process.join, 5.0)
+        jobs = _unfinished(worker)
+        await asyncio.get_running_loop().run_in_executor(None, worker.process.join, 5.0)  # reap it first
         if self.closing:
             _fail(jobs, Unavailable("tokenizer pool stopped"))
             return
@@ -197,9 +200,9 @@ class Pool:
         if not self.closing:
             await self._spawn(worker.index)
 
-    def _retry(self, jobs: list[Job | None]) -> None:
+    def _retry(self, jobs: list[Job]) -> None:
         for job in jobs:
-            if job is None or job.future.done():
+            if job.future.done():
                 continue
             if job.attempts >= MAX_ATTEMPTS:
                 job.future.set_exception(Unavailable("tokenizer pool process died twice while running this request"))
@@ -222,6 +225,20 @@ class Pool:
                 worker.process.kill()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=timeout_s)
+
+
+def _unfinished(worker: PoolWorker) -> list[Job]:
+    """Take a dead process's in-flight jobs back. Each lane runs its tasks in the order sent, so
+    only the oldest job of each lane can have been running (and may have caused the crash); the
+    ones queued behind it get their attempt back, so a process dying for an unrelated reason
+    (killed together with another one) does not use up their retry."""
+    jobs = list(worker.inflight.values())  # dispatch order
+    running = {next((j.id for j in jobs if j.lane == lane), None) for lane in protocol.LANES}
+    for job in jobs:
+        worker.finish(job.id)
+        if job.id not in running:
+            job.attempts -= 1
+    return jobs
 
 
 def _half_close(writer: asyncio.StreamWriter) -> None:

@@ -10,10 +10,10 @@ independently, so encode(prompt) == the concatenation of each segment's ids and
 the special tokens' ids. The system prompt and earlier turns of a conversation
 (resent every turn) are then looked up instead of re-tokenized: measured 4.8x
 less CPU for a 156-token system prompt and 21x for a 906-token one (bench/
-tokenizer_pool.py, "segment cache" section). Whether the identity holds depends
-on the tokenizer (a Metaspace "first" prepend or stripping added tokens break it),
-so `segment_exact()` checks it per model on probe conversations and the caller
-falls back to whole-prompt encoding where it does not.
+tokenizer_pool.py, "segment cache" section). Only special tokens without
+lstrip/rstrip are cut points (stripping would reach across a cut), and because the
+identity is a property of the tokenizer, SegmentEncoder checks it per model on probe
+conversations at start-up and falls back to whole-prompt encoding where it fails.
 """
 
 from __future__ import annotations

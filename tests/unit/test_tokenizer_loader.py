@@ -298,3 +298,9 @@ def test_missing_path_raises(tmp_path):
         load_tokenizer(tmp_path / "nope.gguf")
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path)
+
+
+def test_long_texts_take_the_gil_free_path_with_identical_ids(smollm2, smollm2_path):
+    text = "".join(CORPUS) * 8  # well above GIL_FREE_CHARS
+    assert smollm2.encode(text) == smollm2.tokenizer.encode(text, add_special_tokens=False).ids
+    assert smollm2.encode(text) == reference_encode(str(smollm2_path), text)
