@@ -38,6 +38,7 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
 }
+SUPPORTED_ARCHS = {"llama", "qwen2"}  # llama.cpp writes Llama 2/3, Mistral and SmolLM2 as "llama"
 # architectures whose GGUF Q/K weights llama.cpp permuted for interleaved RoPE
 PERMUTED_ARCHS = {"llama"}
 
@@ -106,6 +107,8 @@ def _tensor(reader: GGUFReader, name: str):
 def read_config(reader: GGUFReader, unpermute: bool = True) -> ModelConfig:
     """GGUF metadata -> ModelConfig."""
     arch = _field(reader, "general.architecture", "llama")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     embed = _tensor(reader, "token_embd.weight")

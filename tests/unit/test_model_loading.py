@@ -109,9 +109,11 @@ def qtype_for(name: str) -> gguf.GGMLQuantizationType:
     return next((t for key, t in STORAGE.items() if key in name), Q8)
 
 
-def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Write a llama GGUF; returns the weights as they round-trip through their storage types (HF layout)."""
-    writer = gguf.GGUFWriter(str(path), "llama")
+def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor], arch: str = "llama") -> dict[str, torch.Tensor]:
+    """Write a GGUF (Q/K permuted as llama.cpp does for arch llama only); returns the weights as they
+    round-trip through their storage types, in HF layout."""
+    permute = arch == "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -126,9 +128,9 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> dict[
     for hf, tensor in weights.items():
         name = gguf_name(hf)
         arr = tensor.numpy().astype(np.float32)
-        if name.endswith("attn_q.weight"):
+        if permute and name.endswith("attn_q.weight"):
             arr = llama_cpp_permute(arr, cfg["num_attention_heads"])
-        elif name.endswith("attn_k.weight"):
+        elif permute and name.endswith("attn_k.weight"):
             arr = llama_cpp_permute(arr, cfg["num_key_value_heads"])
         kind = qtype_for(name)
         if kind in (Q8, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
@@ -148,7 +150,7 @@ def write_gguf(path: Path, cfg: dict, weights: dict[str, torch.Tensor]) -> dict[
     writer.close()
     # undo the permutation in the returned copy: HF layout, for an HF dir with the same values
     for hf in stored:
-        if "q_proj.weight" in hf or "k_proj.weight" in hf:
+        if permute and ("q_proj.weight" in hf or "k_proj.weight" in hf):
             heads = cfg["num_attention_heads"] if "q_proj" in hf else cfg["num_key_value_heads"]
             d = stored[hf].shape[0] // heads
             stored[hf] = stored[hf].view(heads, d // 2, 2, -1).transpose(1, 2).reshape(stored[hf].shape)
@@ -314,6 +316,15 @@ def test_gguf_f32_f16_q8_0_q4_matches_hf_dir(tmp_path):
     a = from_gguf(ids, torch.tensor(positions), meta, for_meta[0])
     b = hf_model(ids, torch.tensor(positions), meta, for_meta[1])
     torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3 * b.abs().max().item())
+
+
+def test_qwen2_gguf_with_bias_is_not_unpermuted(tmp_path):
+    cfg = TINY | {"model_type": "qwen2", "tie_word_embeddings": True}
+    stored = write_gguf(tmp_path / "qwen.gguf", cfg, make_weights(cfg, tied=True, bias=True, seed=7), arch="qwen2")
+    model = load_model(tmp_path / "qwen.gguf", "cpu", torch.float32)
+    c = model.config
+    assert (c.architecture, c.attention_bias, c.tie_word_embeddings, c.rope_interleaved) == ("qwen2", True, True, False)
+    check_batched_steps(model, stored, cfg, inv_freq(c), tol=2e-3)
 
 
 def test_gguf_interleaved_layout_matches_unpermuted(tmp_path):
