@@ -6,7 +6,8 @@ Two vocabulary families, chosen by `tokenizer.ggml.model`:
             pre-tokenizer chosen by `tokenizer.ggml.pre` (same regexes as llama.cpp
             and as the model's own tokenizer.json)
     "llama" SentencePiece-style BPE: tokens + scores, merges derived from the scores,
-            byte fallback (<0xNN> tokens), spaces as "▁" (optionally one prepended)
+            byte fallback (<0xNN> tokens), spaces as "▁" (optionally one prepended to
+            each text fragment, as llama.cpp does)
 
 Token types (llama.cpp `llama_token_type`) decide what becomes an added token:
 CONTROL / UNKNOWN → special added token; USER_DEFINED → non-special added token.
@@ -177,8 +178,10 @@ def build_llama(vocab: GGUFVocab) -> Tokenizer:
     merges = spm_merges(vocab.tokens, vocab.scores, vocab.token_types)
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
     tokenizer = Tokenizer(models.BPE(ids, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    scheme = "first" if vocab.add_space_prefix else "never"
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    # Spaces become "▁"; with add_space_prefix every text fragment gets one "▁" in front, also after a
+    # special token, as llama.cpp does (and transformers' GGUF/legacy Llama conversion).
+    prefix = [normalizers.Prepend("▁")] if vocab.add_space_prefix else []
+    tokenizer.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
     tokenizer.decoder = decoders.Sequence([
         decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
         *([decoders.Strip(" ", 1, 0)] if vocab.add_space_prefix else []),
