@@ -195,10 +195,12 @@ class ModelBatcher:
         plans: list[_Plan] = []
         dropped: list[_Drop] = []
         while len(plans) < _PIPELINED and self.queue and (force or self._ready(time.monotonic())):
-            cap = self.pool.best(now_ms())
+            stamp = now_ms()
+            accepting = self.pool.accepting(stamp)
+            cap = next((c for c in accepting if c.free_seqs > 0 and c.free_blocks > 0), None)
             if cap is None:
                 break
-            budget = _Budget(self, cap)
+            budget = _Budget(self, cap, max((c.total_blocks for c in accepting), default=0), stamp)
             taken = self.queue.take(budget.admit)
             dropped += budget.drops.values()
             batch = [h for h in taken if h not in budget.drops]
@@ -211,14 +213,12 @@ class ModelBatcher:
         return plans, dropped
 
     async def _without_cancelled(self, plans: list[_Plan]) -> list[_Plan]:
-        """Drop items whose cancel key exists (one pipelined EXISTS per item, all plans at once)."""
+        """Drop items whose cancel key exists (one MGET for all plans: a reply per key, one round trip)."""
         cancellable = [h for _, batch in plans for h in batch if h.item.cancel_key]
         if not cancellable:
             return plans
-        pipe = self.redis.pipeline(transaction=False)
-        for held in cancellable:
-            pipe.exists(held.item.cancel_key)
-        cancelled = {h for h, hit in zip(cancellable, await pipe.execute()) if hit}
+        values = await self.redis.mget([h.item.cancel_key for h in cancellable])
+        cancelled = {h for h, value in zip(cancellable, values) if value is not None}
         if not cancelled:
             return plans
         await self.drop([(h, DropReason.CANCELLED, "") for h in cancelled])
@@ -325,13 +325,13 @@ class ModelBatcher:
 class _Budget:
     """What one batch for one worker may still take: sequences, prompt tokens, KV blocks."""
 
-    def __init__(self, owner: ModelBatcher, cap: Capacity) -> None:
+    def __init__(self, owner: ModelBatcher, cap: Capacity, largest_total: int, stamp_ms: int) -> None:
         self.owner, self.cap = owner, cap
         self.seqs = min(owner.limits.max_batch, cap.free_seqs)
         self.tokens = 0
         self.blocks = cap.free_blocks
-        self.largest_total = max((c.total_blocks for c in owner.pool.accepting(now_ms())), default=0)
-        self.now_ms = now_ms()
+        self.largest_total = largest_total   # of any accepting worker: more than that never fits
+        self.now_ms = stamp_ms
         self.drops: dict[Held, _Drop] = {}
         self.reserved_blocks = 0
 

@@ -43,6 +43,13 @@ class _Reservation:
 class _Worker:
     heartbeat: queue_pb2.WorkerHeartbeat
     reservations: list[_Reservation] = field(default_factory=list)
+    reserved_blocks: int = 0   # running sums of `reservations`
+    reserved_seqs: int = 0
+
+    def add(self, reservation: _Reservation) -> None:
+        self.reservations.append(reservation)
+        self.reserved_blocks += reservation.blocks
+        self.reserved_seqs += reservation.seqs
 
 
 def blocks_needed(item: queue_pb2.WorkItem, block_size: int, decode_reserve: float) -> int:
@@ -74,7 +81,10 @@ class WorkerPool:
             known = self._workers.get(worker_id)
             reservations = known.reservations if known else []
             cutoff = hb.sent_unix_ms - self.grace_ms
-            workers[worker_id] = _Worker(hb, [r for r in reservations if r.sent_unix_ms > cutoff])
+            workers[worker_id] = worker = _Worker(hb)
+            for reservation in reservations:
+                if reservation.sent_unix_ms > cutoff:
+                    worker.add(reservation)
         self._workers = workers
 
     def is_alive(self, worker_id: str, now_ms: int) -> bool:
@@ -93,12 +103,10 @@ class WorkerPool:
         return next((c for c in self.accepting(now_ms) if c.free_seqs > 0 and c.free_blocks > 0), None)
 
     def reserve(self, worker_id: str, blocks: int, seqs: int, now_ms: int) -> None:
-        self._workers[worker_id].reservations.append(_Reservation(now_ms, blocks, seqs))
+        self._workers[worker_id].add(_Reservation(now_ms, blocks, seqs))
 
     def _capacity(self, worker_id: str, worker: _Worker) -> Capacity:
         hb = worker.heartbeat
-        reserved_blocks = sum(r.blocks for r in worker.reservations)
-        reserved_seqs = sum(r.seqs for r in worker.reservations)
         slots = hb.max_running - hb.running - hb.waiting if hb.max_running else _UNBOUNDED
-        return Capacity(worker_id, hb.free_blocks - reserved_blocks, slots - reserved_seqs,
+        return Capacity(worker_id, hb.free_blocks - worker.reserved_blocks, slots - worker.reserved_seqs,
                         hb.block_size, hb.total_blocks)
