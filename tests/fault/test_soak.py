@@ -33,6 +33,13 @@ def soak_stack(tmp_path_factory):
 def test_soak_nothing_grows(soak_stack):
     config = SoakConfig(duration_s=600.0 if LONG else 60.0, concurrency=4, sample_every_s=10.0 if LONG else 5.0)
     report = asyncio.run(soak(soak_stack, config))
+    first, last = report.samples[0], report.samples[-1]
+    print(f"\nsoak {config.duration_s:.0f} s: {report.summary['ok']}/{report.summary['requests']} ok; "
+          f"RSS MB {({n: round(v / 2**20) for n, v in first.rss_bytes.items()})} -> "
+          f"{({n: round(v / 2**20) for n, v in last.rss_bytes.items()})}; fds {first.fds} -> {last.fds}; "
+          f"request keys peak {max(s.request_keys for s in report.samples)}, after expiry "
+          f"{report.after_expiry.request_keys}; Redis used_memory MB {report.before.redis_used_memory / 2**20:.1f} "
+          f"-> {report.after_expiry.redis_used_memory / 2**20:.1f}")
     assert report.summary["requests"] >= config.concurrency
     assert report.problems() == []
     assert max(s.request_keys for s in report.samples) > 0   # the expiry check had keys to watch
