@@ -84,21 +84,15 @@ class BatcherService:
                 pass
 
     async def _publish_depth(self, model: str) -> None:
-        """Depth = pending (read, not dispatched) + lag (not read); age from the oldest entry."""
+        """Depth = stream length (dispatched entries are deleted, so: unread + read-ahead); age of the oldest."""
         now_ms = int(time.time() * 1000)
         metrics.HELD.labels(model).set(len(self.models[model].queue))
         for priority in keys.PRIORITY_ORDER:
             stream, label = keys.work_stream(model, priority), keys.priority_name(priority)
-            groups = {_text(g["name"]): g for g in await self._redis.xinfo_groups(stream)}
-            group = groups.get(keys.WORK_GROUP, {})
-            metrics.QUEUE_DEPTH.labels(model, label).set((group.get("pending") or 0) + (group.get("lag") or 0))
+            metrics.QUEUE_DEPTH.labels(model, label).set(await self._redis.xlen(stream))
             first = await self._redis.xrange(stream, "-", "+", count=1)
             age = 0.0
             if first:
                 item = queue_pb2.WorkItem.FromString(first[0][1][b"item"])
                 age = max(0.0, (now_ms - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0
             metrics.QUEUE_AGE.labels(model, label).set(age)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

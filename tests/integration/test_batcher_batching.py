@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import REGISTRY
 
 from batcher import harness as h
 from batcher.config import BatcherSettings
@@ -63,6 +64,10 @@ async def start_batcher(redis_url, clean_redis):
     for service in started:
         await service.drain()
         await service.close()
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, {"model": h.MODEL, **labels}) or 0.0
 
 
 def ids(batches) -> list[list[str]]:
@@ -126,6 +131,8 @@ async def test_strict_priority_order(start_batcher, clean_redis):
 async def test_expired_item_dropped_with_deadline_event(start_batcher, clean_redis):
     h.heartbeat(clean_redis, "w1")
     await start_batcher(max_batch=8, max_wait_ms=50.0)
+    drops_before = metric("llmserve_batcher_drops_total", reason="deadline")
+    sent_before = metric("llmserve_batcher_dispatched_items_total")
     expired = h.make_item("late", deadline_unix_ms=h.now_ms() - 1)
     alive = h.make_item("ok", deadline_unix_ms=h.now_ms() + 600_000)
     h.enqueue(clean_redis, expired, alive)
@@ -134,6 +141,8 @@ async def test_expired_item_dropped_with_deadline_event(start_batcher, clean_red
     event = (await until(lambda: h.events(clean_redis, expired), what="final event"))[0]
     assert (event.final, event.error.code, event.request_id) == (True, "DEADLINE_EXCEEDED", "late")
     assert h.pending_work(clean_redis) == 0
+    assert metric("llmserve_batcher_drops_total", reason="deadline") == drops_before + 1
+    assert metric("llmserve_batcher_dispatched_items_total") == sent_before + 1
 
 
 async def test_item_expiring_while_held_is_dropped(start_batcher, clean_redis):
