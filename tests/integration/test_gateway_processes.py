@@ -6,6 +6,7 @@ of requests it serves at once)."""
 
 import asyncio
 import time
+import urllib.request
 import uuid
 
 import grpc
@@ -50,10 +51,12 @@ async def cluster(redis_url, smollm2_path, tmp_path_factory):
     try:
         await asyncio.to_thread(tok.wait_serving, deadline)
         for i in range(3):
-            port = free_port()
+            port, metrics_port = free_port(), free_port()
             gw = ServiceProcess(f"gateway-{i}", "gateway", [*common, "--port", str(port), "--tenants", str(tenants),
                                                             "--tokenizer-target", tok.target, "--models", MODEL,
-                                                            "--lease-ttl-s", "2"], port, logs / f"gw{i}.log", None)
+                                                            "--lease-ttl-s", "2", "--metrics-port", str(metrics_port)],
+                                port, logs / f"gw{i}.log", None)
+            gw.metrics_port = metrics_port
             gateways.append(gw.start())
             procs.append(gw)
         for gw in gateways:
@@ -97,6 +100,16 @@ async def test_64_callers_3_gateways_hold_rate_and_concurrency(cluster):
     assert BURST <= len(admitted) <= BURST + int(RATE * elapsed) + 1      # the GCRA bound, never above
     assert 1 <= worker.peak <= MAX_CONCURRENT                             # seen by the worker side
     assert refused.get("requests_per_second", 0) > 0 and refused.get("max_concurrent", 0) > 0
+    scraped = "".join(await asyncio.gather(*(asyncio.to_thread(scrape, gw.metrics_port) for gw in gateways)))
+    assert f'llmserve_gateway_rejections_total{{reason="requests_per_second",tenant="shared"}}' in scraped
+    assert 'llmserve_gateway_requests_total{code="OK",method="Complete",tenant="shared"}' in scraped
+    assert "llmserve_gateway_ttft_seconds_bucket" in scraped and "llmserve_gateway_e2e_seconds_count" in scraped
+    assert "shared-key" not in "".join(gw.log_path.read_text() for gw in gateways)   # keys never logged
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
 
 
 async def test_leases_of_killed_gateway_expire(cluster):
