@@ -9,7 +9,7 @@ from llmserve.log import configure_logging
 from llmserve.server import serve
 from llmserve.settings import SettingsError
 from tokenizer_svc.config import TokenizerSettings
-from tokenizer_svc.service import TokenizerService
+from tokenizer_svc.service import TokenizerService, load_models
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +20,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenizer_svc: {exc}", file=sys.stderr)
         return 2
     configure_logging("tokenizer_svc", settings.log_level)
-    asyncio.run(serve(TokenizerService(settings), settings, "tokenizer_svc",
+    try:
+        models = load_models(settings.model_specs())  # before serving: a bad model is a clean start-up error
+    except (OSError, ValueError) as exc:  # missing file, unreadable GGUF, UnsupportedTokenizer, ...
+        print(f"tokenizer_svc: cannot load model: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(TokenizerService(settings, models), settings, "tokenizer_svc",
                       max_message_bytes=settings.max_message_bytes))
     return 0
 

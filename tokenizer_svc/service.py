@@ -42,11 +42,12 @@ def load_models(specs: list[str]) -> dict[str, ModelTokenizer]:
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     service_names = (pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name,)
 
-    def __init__(self, settings: TokenizerSettings) -> None:
+    def __init__(self, settings: TokenizerSettings, models: dict[str, ModelTokenizer] | None = None) -> None:
+        """`models` (id → tokenizer) when already loaded; else start() loads settings.models."""
         self.settings = settings
         self.limits = Limits(settings.max_text_bytes, settings.max_messages, settings.max_batch_requests,
                              settings.max_decode_ids)
-        self.models: dict[str, ModelTokenizer] = {}
+        self.models: dict[str, ModelTokenizer] = models or {}
         self.infos: dict[str, pb.TokenizerInfo] = {}
         self.cache: LRUCache[array] = LRUCache(settings.cache_bytes)
         self.pool: Pool | None = None
@@ -55,8 +56,9 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(self, server)
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.models = await loop.run_in_executor(None, load_models, self.settings.model_specs())
+        if not self.models:
+            loop = asyncio.get_running_loop()
+            self.models = await loop.run_in_executor(None, load_models, self.settings.model_specs())
         self.infos = {name: pb.TokenizerInfo(model=name, tokenizer_json=m.to_json(), eos_token_ids=m.eos_token_ids,
                                              context_length=m.context_length) for name, m in self.models.items()}
         self.pool = Pool(self.models, self.settings.pool_size(), self.settings.long_text_bytes,
