@@ -267,8 +267,13 @@ class ModelBatcher:
         """End items without dispatch: final event first, then ack (if still ours)."""
         await write_final(self.redis, [(h.item, final_event(h.item, reason, detail)) for h, reason, detail in drops],
                           self.settings.events_ttl_s)
-        await self.scripts.dispatch(keys.inboxes_set(self.model), keys.inboxes_set(self.model), "",
-                                    keys.INBOX_GROUP, self.consumer, _sources([h for h, _, _ in drops]), b"")
+        helds = [h for h, _, _ in drops]
+        for _ in range(2):  # the script acks all or nothing: retry without entries another replica owns
+            result = await self.scripts.dispatch(keys.inboxes_set(self.model), keys.inboxes_set(self.model), "",
+                                                 keys.INBOX_GROUP, self.consumer, _sources(helds), b"")
+            helds = [h for h in helds if h.ref not in set(result.lost)]
+            if result.ok or not helds:
+                break
         for held, reason, _ in drops:
             metrics.DROPS.labels(self.model, reason.value).inc()
             logger.info("dropped queued request", model=self.model, request_id=held.item.request_id,
