@@ -23,10 +23,11 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from batcher import metrics
 from batcher.config import BatcherSettings
 from batcher.events import DropReason, final_event, is_expired, write_final
+from batcher.batch_budget import BatchBudget
 from batcher.fair_queue import FairQueue, Held
 from batcher.reclaimer import Reclaimer
 from batcher.scripts import Scripts, Source, dispatch_result
-from batcher.workers import Capacity, WorkerPool, blocks_needed
+from batcher.workers import Capacity, WorkerPool
 from llmserve import keys
 from llmserve.v1 import queue_pb2
 
@@ -200,7 +201,8 @@ class ModelBatcher:
             cap = next((c for c in accepting if c.free_seqs > 0 and c.free_blocks > 0), None)
             if cap is None:
                 break
-            budget = _Budget(self, cap, max((c.total_blocks for c in accepting), default=0), stamp)
+            largest = max((c.total_blocks for c in accepting), default=0)
+            budget = BatchBudget(self.limits, self.settings.decode_reserve, cap, largest, stamp)
             taken = self.queue.take(budget.admit)
             dropped += budget.drops.values()
             batch = [h for h in taken if h not in budget.drops]
@@ -325,40 +327,6 @@ class ModelBatcher:
                 if lost:
                     gone = self.queue.remove_if(lambda h, s=stream: h.stream == s and h.entry_id in lost)
                     metrics.CONFLICTS.labels(self.model).inc(len(gone))
-
-
-class _Budget:
-    """What one batch for one worker may still take: sequences, prompt tokens, KV blocks."""
-
-    def __init__(self, owner: ModelBatcher, cap: Capacity, largest_total: int, stamp_ms: int) -> None:
-        self.owner, self.cap = owner, cap
-        self.seqs = min(owner.limits.max_batch, cap.free_seqs)
-        self.tokens = 0
-        self.blocks = cap.free_blocks
-        self.largest_total = largest_total   # of any accepting worker: more than that never fits
-        self.now_ms = stamp_ms
-        self.drops: dict[Held, _Drop] = {}
-        self.reserved_blocks = 0
-
-    def admit(self, held: Held) -> bool:
-        if is_expired(held.item, self.now_ms):
-            self.drops[held] = (held, DropReason.DEADLINE, "")
-            return True
-        need = blocks_needed(held.item, self.cap.block_size, self.owner.settings.decode_reserve)
-        if self.largest_total and need > self.largest_total:
-            self.drops[held] = (held, DropReason.TOO_LARGE, f"needs {need} blocks, largest worker has "
-                                                           f"{self.largest_total}")
-            return True
-        if self.seqs <= 0 or need > self.blocks:
-            return False
-        first = self.tokens == 0
-        if not first and self.tokens + held.prompt_tokens > self.owner.limits.prefill_token_budget:
-            return False
-        self.seqs -= 1
-        self.blocks -= need
-        self.reserved_blocks += need
-        self.tokens += held.prompt_tokens
-        return True
 
 
 def _sources(batch: list[Held]) -> list[Source]:
