@@ -118,3 +118,25 @@ async def test_closing_the_iterator_cancels_the_request(env):
     while "slow-abandon" not in env.worker.saw_cancel:
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.05)
+
+
+async def test_tls_with_root_cert(env, tmp_path):
+    import subprocess
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    settings = GatewaySettings(tenants=str(env.tenants), tokenizer_target=env.tok_target, redis_url=env.redis_url,
+                               models=MODEL, tls_cert=str(cert), tls_key=str(key), tokenizer_wait_s=30)
+    service = InferenceService(settings)
+    handle = await start_server(service, settings, settings.max_message_bytes)
+    await service.start()
+    await handle.set_serving(True)
+    env.gateways.append((service, handle))
+    target = f"localhost:{handle.port}"
+    async with AsyncClient(target, api_key="acme-key", tls=True, root_cert=str(cert)) as client:
+        assert (await client.complete("hi", max_new_tokens=4, timeout=30)).finish_reason == "length"
+    async with AsyncClient(target, api_key="acme-key") as plain:   # plaintext to a TLS port fails, never hangs
+        with pytest.raises(LLMServeError) as err:
+            await plain.list_models(timeout=5)
+    assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
