@@ -113,6 +113,7 @@ class Cell:
     long_p50_ms: float
     long_p99_ms: float
     short_p99_with_long_in_flight_ms: float
+    service_cpu_cores: float = float("nan")  # CPU the service (front + pool) used, in cores
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -154,24 +155,47 @@ async def run_clients(port: int, workload: Workload, clients: int, duration_s: f
     return records, wall
 
 
-def bench_service(pool: int, clients_list: list[int], duration_s: float, model: ModelTokenizer,
+def _cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of a process and its children (the pool processes)."""
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    total = 0
+    for p in [str(pid), *children]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def bench_service(pools: list[int], clients_list: list[int], duration_s: float, model: ModelTokenizer,
                   long_every: int) -> list[Cell]:
-    process, port = start_service(pool)
+    """Both pool sizes started up front and measured back to back per client count (less drift on a
+    shared machine)."""
+    servers = {pool: start_service(pool) for pool in pools}
     try:
         cells = []
         for clients in clients_list:
-            workload = Workload(model, long_every, seed=clients)
-            records, wall = asyncio.run(run_clients(port, workload, clients, duration_s))
-            cells.append(_summarise("service", pool, clients, records, wall))
-            print_row(cells[-1])
+            for pool, (process, port) in servers.items():
+                workload = Workload(model, long_every, seed=clients)
+                cpu_before = _cpu_seconds(process.pid)
+                records, wall = asyncio.run(run_clients(port, workload, clients, duration_s))
+                cell = _summarise("service", pool, clients, records, wall)
+                cell.service_cpu_cores = (_cpu_seconds(process.pid) - cpu_before) / wall
+                cells.append(cell)
+                print_row(cell)
         return cells
     finally:
-        process.terminate()
-        process.wait(60)
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(60)
 
 
-def bench_baseline(clients_list: list[int], duration_s: float, model: ModelTokenizer, long_every: int) -> list[Cell]:
-    """`tokenizers` encode_batch in this process; one batch = `clients` requests; latency = the batch's."""
+def bench_baseline(clients_list: list[int], duration_s: float, model: ModelTokenizer, long_every: int,
+                   method: str = "encode_batch") -> list[Cell]:
+    """`tokenizers` encode_batch (or encode_batch_fast: no offsets, what the service uses for long texts)
+    in this process, rayon threads on; one batch = `clients` requests; latency = the batch's."""
+    encode_batch = getattr(model.tokenizer, method)
     cells = []
     for clients in clients_list:
         workload = Workload(model, long_every, seed=clients)
@@ -181,10 +205,10 @@ def bench_baseline(clients_list: list[int], duration_s: float, model: ModelToken
             batch = [workload.next() for _ in range(clients)]
             texts = [workload.local_text(model, request) for _, request in batch]
             t0 = time.perf_counter()
-            encodings = model.tokenizer.encode_batch(texts, add_special_tokens=False)
+            encodings = encode_batch(texts, add_special_tokens=False)
             t1 = time.perf_counter()
             records += [(kind, t0, t1, len(e.ids)) for (kind, _), e in zip(batch, encodings)]
-        cells.append(_summarise("tokenizers.encode_batch", 1, clients, records, time.perf_counter() - started))
+        cells.append(_summarise(f"tokenizers.{method}", 1, clients, records, time.perf_counter() - started))
         print_row(cells[-1])
     return cells
 
@@ -213,14 +237,14 @@ def bench_segment_cache(model: ModelTokenizer, rounds: int = 300) -> list[dict]:
 
 # ------------------------------------------------------------------------------------ output
 
-HEADER = (f"{'system':<24}{'pool':>5}{'clients':>8}{'reqs':>7}{'tokens/s':>12}{'short p50':>11}{'short p99':>11}"
-          f"{'long p50':>10}{'long p99':>10}{'short p99|long':>16}")
+HEADER = (f"{'system':<29}{'pool':>5}{'clients':>8}{'reqs':>7}{'tokens/s':>12}{'short p50':>11}{'short p99':>11}"
+          f"{'long p50':>10}{'long p99':>10}{'short p99|long':>16}{'svc cores':>11}")
 
 
 def print_row(cell: Cell) -> None:
-    print(f"{cell.system:<24}{cell.pool:>5}{cell.clients:>8}{cell.requests:>7}{cell.tokens_per_s:>12,.0f}"
+    print(f"{cell.system:<29}{cell.pool:>5}{cell.clients:>8}{cell.requests:>7}{cell.tokens_per_s:>12,.0f}"
           f"{cell.short_p50_ms:>11.2f}{cell.short_p99_ms:>11.2f}{cell.long_p50_ms:>10.1f}{cell.long_p99_ms:>10.1f}"
-          f"{cell.short_p99_with_long_in_flight_ms:>16.2f}", flush=True)
+          f"{cell.short_p99_with_long_in_flight_ms:>16.2f}{cell.service_cpu_cores:>11.2f}", flush=True)
 
 
 def plot(cells: list[Cell], path: Path) -> None:
@@ -262,8 +286,9 @@ def main() -> None:
     print(f"CPU cores: {os.cpu_count()}; load average before: {os.getloadavg()[0]:.2f}")
     print(HEADER)
     cells = bench_baseline(clients, args.duration_s, model, args.long_every)
-    for pool in (int(p) for p in args.pools.split(",")):
-        cells += bench_service(pool, clients, args.duration_s, model, args.long_every)
+    cells += bench_baseline(clients, args.duration_s, model, args.long_every, "encode_batch_fast")
+    cells += bench_service([int(p) for p in args.pools.split(",")], clients, args.duration_s, model,
+                           args.long_every)
     segment_rows = bench_segment_cache(model)
     print("\nsegment cache (in-process CPU per chat encode):")
     for row in segment_rows:
@@ -272,6 +297,9 @@ def main() -> None:
     scaling = _scaling(cells)
     for clients_n, ratio in scaling.items():
         print(f"pool 2 / pool 1 throughput at {clients_n} clients: {ratio:.2f}x (target >= 1.6x)")
+    for cell in (c for c in cells if c.system == "service"):
+        print(f"pool {cell.pool}, {cell.clients:>2} clients: {cell.tokens_per_s / cell.service_cpu_cores:>10,.0f} "
+              f"tokens per service CPU-second ({cell.service_cpu_cores:.2f} cores obtained)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer_pool.json").write_text(json.dumps({
