@@ -87,6 +87,9 @@ class ModelBatcher:
                 logger.warning("redis error in batch loop", model=self.model, error=repr(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+            except Exception:  # noqa: BLE001 - a bug must not silently stop batching for this model
+                logger.exception("batch loop failed; continuing", model=self.model)
+                await asyncio.sleep(1.0)
         await self.flush(time.monotonic() + self.settings.grace_s)
 
     async def step(self) -> None:
@@ -291,7 +294,7 @@ class ModelBatcher:
         if now - self._workers_at < self.settings.workers_poll_ms / 1000:
             return
         raw = await self.redis.hgetall(keys.workers_hash(self.model))
-        self.pool.update({_text(k): queue_pb2.WorkerHeartbeat.FromString(v) for k, v in raw.items()})
+        self.pool.update({_text(k): hb for k, v in raw.items() if (hb := _heartbeat(v)) is not None})
         self._workers_at = now
 
     async def _housekeeping(self, now: float) -> None:
@@ -334,6 +337,14 @@ def _sources(batch: list[Held]) -> list[Source]:
     for held in batch:
         by_stream[held.stream].append(held.entry_id)
     return [Source(stream, keys.WORK_GROUP, ids) for stream, ids in by_stream.items()]
+
+
+def _heartbeat(raw: bytes) -> queue_pb2.WorkerHeartbeat | None:
+    """A worker's heartbeat; an undecodable one counts as no heartbeat (the worker looks silent)."""
+    try:
+        return queue_pb2.WorkerHeartbeat.FromString(raw)
+    except Exception:  # noqa: BLE001 - DecodeError and friends
+        return None
 
 
 def _text(value: bytes | str) -> str:

@@ -206,3 +206,14 @@ async def test_request_larger_than_any_worker_fails(start_batcher, clean_redis):
     assert ids(await collect(clean_redis, "w1", 1)) == [["small"]]
     event = (await until(lambda: h.events(clean_redis, huge), what="final event"))[0]
     assert (event.final, event.error.code) == (True, "RESOURCE_EXHAUSTED")
+
+
+async def test_garbage_heartbeat_and_work_entry_do_not_stop_batching(start_batcher, clean_redis):
+    clean_redis.hset(keys.workers_hash(h.MODEL), "broken", b"\xff\xff not a heartbeat")
+    h.heartbeat(clean_redis, "w1")
+    await start_batcher(max_batch=2, max_wait_ms=10.0)
+    clean_redis.xadd(keys.work_stream(h.MODEL, inference_pb2.PRIORITY_NORMAL), {"item": b"\xff\xff garbage"})
+    h.enqueue(clean_redis, h.make_item("r0"), h.make_item("r1"))
+    assert ids(await collect(clean_redis, "w1", 2)) == [["r0", "r1"]]
+    await until(lambda: h.pending_work(clean_redis) == 0, what="garbage entry acked")
+    assert h.peek_inbox(clean_redis, "broken") == []
