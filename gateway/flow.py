@@ -38,7 +38,7 @@ from gateway.quota import Limits, Quota
 from gateway.shedding import Shedder
 from gateway.tenants import Tenant
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
-from gateway.watch import Watch
+from gateway.watch import QueueWaitExceeded, Watch
 
 logger = structlog.get_logger(__name__)
 
@@ -76,6 +76,7 @@ class Meta:
     enqueued_ms: int
     work_key: str = ""     # the work stream and entry id of the queued item (to tell queued from dispatched)
     entry_id: str = ""
+    error: str = ""        # set when the request failed for good before any token (max queue wait)
 
     def to_redis(self) -> dict[str, str]:
         return {"owner": self.owner, "model": self.model, "prompt_tokens": str(self.prompt_tokens),
@@ -86,7 +87,8 @@ class Meta:
     def from_redis(cls, raw: dict) -> "Meta":
         d = {k.decode(): v.decode() for k, v in raw.items()}
         return cls(d["owner"], d["model"], int(d["prompt_tokens"]), int(d["cost"]), json.loads(d["stops"]),
-                   int(d["arrival_ms"]), int(d["enqueued_ms"]), d.get("work_key", ""), d.get("entry_id", ""))
+                   int(d["arrival_ms"]), int(d["enqueued_ms"]), d.get("work_key", ""), d.get("entry_id", ""),
+                   d.get("error", ""))
 
 
 class Flow:
@@ -113,6 +115,8 @@ class Flow:
             meta = await self._submit(call, request)
             if meta is None:  # lost a race with a concurrent identical request_id: attach to it
                 meta = await self._meta(call)
+        elif meta.error:  # a resume of a request that failed before it started fails the same way
+            raise Unavailable(meta.error)
         else:
             rem_req, rem_tok = await self.quota.peek(limits_of(call.tenant))
             call.headers = [("x-ratelimit-remaining-requests", str(rem_req)),
@@ -215,7 +219,7 @@ class Flow:
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
         await self.redis.hincrby(keys.request_meta(call.tenant.id, call.request_id), "viewers", 1)
         metrics.IN_FLIGHT.inc()
-        outcome = "detached"
+        outcome, failure = "detached", ""
         try:
             async for event in self._events(call, watch):
                 chunk = builder.feed(event)
@@ -232,6 +236,9 @@ class Flow:
                     return
             outcome = "cancelled"  # the cancel grace ran out without a final event
             yield watch.cancelled_chunk(builder, meta)
+        except QueueWaitExceeded as exc:
+            outcome, failure = "abandoned", exc.message
+            raise
         except (DeadlineExceeded, Unavailable):
             outcome = "abandoned"
             raise
@@ -240,7 +247,7 @@ class Flow:
             raise
         finally:
             metrics.IN_FLIGHT.dec()
-            self._spawn(self._finish(call, meta, builder, outcome))
+            self._spawn(self._finish(call, meta, builder, outcome, failure))
 
     async def _events(self, call: Call, watch: Watch) -> AsyncIterator[queue_pb2.TokenEvent]:
         key = keys.events_stream(call.tenant.id, call.request_id)
@@ -264,10 +271,12 @@ class Flow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: str) -> None:
+    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: str, failure: str = "") -> None:
         meta_key = keys.request_meta(call.tenant.id, call.request_id)
         used = meta.prompt_tokens + builder.next_index
         try:
+            if failure:
+                await self.redis.hset(meta_key, "error", failure)
             viewers = int(await self.redis.hincrby(meta_key, "viewers", -1))
             if outcome == "detached":
                 await asyncio.sleep(self.settings.detach_grace_s)

@@ -19,6 +19,10 @@ from gateway.quota import Quota
 _MAX_BLOCK_MS = 500
 
 
+class QueueWaitExceeded(Unavailable):
+    """No worker took the request within max_queue_wait_s (recorded, so a resume fails the same way)."""
+
+
 def _now_ms() -> float:
     return time.time() * 1000
 
@@ -74,7 +78,7 @@ class Watch:
             if not queued:
                 self.dispatched = True
                 return
-        raise Unavailable(f"overloaded: no worker took the request within {self.settings.max_queue_wait_s} s")
+        raise QueueWaitExceeded(f"overloaded: no worker took the request within {self.settings.max_queue_wait_s} s")
 
     async def _cancel_pending(self, now: float) -> bool:
         if self.cancel_seen_s is None:

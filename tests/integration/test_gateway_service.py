@@ -253,6 +253,9 @@ async def test_max_queue_wait_is_unavailable(env):
     err = await status_of(stream(env, req("idle-queue"), timeout=30))
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "overloaded" in err.details()
     assert await eventually(lambda: lease_gone("acme", "idle-queue", env))
+    assert await eventually(lambda: env.redis.exists(keys.cancel_key("acme", "idle-queue")))   # batcher drops it
+    again = await status_of(stream(env, req("idle-queue"), timeout=30))   # a retry re-attaches: same answer
+    assert again.code() == grpc.StatusCode.UNAVAILABLE and again.details() == err.details()
 
 
 async def test_worker_error_event_maps_to_status(env):
