@@ -55,11 +55,11 @@ def test_valkey_outage_of_3s(start_stack):
     stack.valkey.start()
     recovery_s = until_ok(stack.gateway_target, 60.0)
     records = running.join()
+    print(f"\nvalkey down 3 s: probes during {[(c.name, round(t, 2)) for c, t in during]}, "
+          f"recovered {recovery_s:.2f} s after restart, longest client stall {stall_s(records, fault_at):.2f} s")
     assert {code for code, _ in during} <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
     assert all(s.alive() for s in stack.services.values()), [s.name for s in stack.services.values()]
     assert mismatches(records, baseline) == []
-    print(f"\nvalkey down 3 s: probes during {[(c.name, round(t, 2)) for c, t in during]}, "
-          f"recovered {recovery_s:.2f} s after restart, longest client stall {stall_s(records, fault_at):.2f} s")
 
 
 def test_tokenizer_killed_and_restarted(start_stack):

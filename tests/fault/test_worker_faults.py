@@ -32,10 +32,10 @@ def test_kill9_one_of_two_workers_mid_generation(start_stack, inbox_pending):
     stack.kill(victim)
     fault_at = time.monotonic()
     records = running.join()
+    print(f"\nkill -9 {victim} (pending {pending}): longest client stall {stall_s(records, fault_at):.2f} s")
     assert mismatches(records, baseline) == []
     survivor = next(w for w in stack.named("gpu_worker-") if w.name != victim)
     assert survivor.alive()
-    print(f"\nkill -9 {victim} (pending {pending}): longest client stall {stall_s(records, fault_at):.2f} s")
 
 
 def test_rolling_upgrade_loses_nothing(start_stack):
@@ -50,7 +50,7 @@ def test_rolling_upgrade_loses_nothing(start_stack):
         replacement = stack.start_worker()
         replacement.wait_serving(time.monotonic() + 300)
         records = running.join()
+        print(f"\nupgrade of {old.name}: longest client stall {stall_s(records, fault_at):.2f} s")
         assert mismatches(records, baseline) == []
         assert old.wait(120) == 0, old.log_tail()
-        print(f"\nupgrade of {old.name}: longest client stall {stall_s(records, fault_at):.2f} s")
     assert sorted(w.name for w in stack.named("gpu_worker-") if w.alive()) == ["gpu_worker-2", "gpu_worker-3"]
