@@ -27,7 +27,7 @@ from gateway.flow import Call, Flow, limits_of
 from gateway.models import ModelCatalog
 from gateway.quota import Quota
 from gateway.tenants import TenantRegistry
-from gateway.validation import check_input
+from gateway.validation import REQUEST_ID, check_input
 from gateway.wire import Unparsable, lenient
 
 logger = structlog.get_logger(__name__)
@@ -45,6 +45,9 @@ def _code_name(exc: BaseException) -> str:
     return status_for(exc)[0].name
 
 
+_MAX_HEADER_ID = 1024
+
+
 class _Headers:
     """Sends initial metadata exactly once per call."""
 
@@ -55,7 +58,7 @@ class _Headers:
     async def send(self, request_id: str, extra: list[tuple[str, str]] = ()) -> None:
         if not self.sent:
             self.sent = True
-            await self.context.send_initial_metadata((("x-request-id", request_id), *extra))
+            await self.context.send_initial_metadata((("x-request-id", _printable_id(request_id)), *extra))
 
 
 class InferenceService:
@@ -203,6 +206,12 @@ class _RequestHeaders(_Headers):
 
     async def send(self, request_id: str, extra: list[tuple[str, str]] = ()) -> None:
         await super().send(self.request_id, extra)
+
+
+def _printable_id(request_id: str) -> str:
+    """The id as a header value: a caller's malformed id (rejected by validation) would make gRPC
+    fail the whole call with INTERNAL "invalid metadata", so it is sent as "-" instead."""
+    return request_id if REQUEST_ID.fullmatch(request_id) and len(request_id) <= _MAX_HEADER_ID else "-"
 
 
 def _resume_from(metadata: dict[str, str]) -> int:

@@ -139,6 +139,16 @@ async def test_unauthenticated_carries_request_id(env, metadata):
     assert dict(await call.initial_metadata())["x-request-id"] == "auth-1"
 
 
+@pytest.mark.parametrize("request_id", ["é", "a\nb", "±\x1a", "x" * 5000])
+@pytest.mark.parametrize("metadata, code", [(ACME, grpc.StatusCode.INVALID_ARGUMENT),
+                                            ((), grpc.StatusCode.UNAUTHENTICATED)])
+async def test_malformed_request_id_is_rejected_not_internal(env, request_id, metadata, code):
+    call = env.stub.Generate(req(request_id), metadata=metadata, timeout=10)
+    err = await status_of(call.read())
+    assert err.code() == code
+    assert dict(await call.initial_metadata())["x-request-id"] == "-"
+
+
 async def test_model_not_allowed_and_unknown(env):
     err = await status_of(env.stub.Complete(req(), metadata=(("authorization", "Bearer fenced-key"),), timeout=10))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
