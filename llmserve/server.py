@@ -23,7 +23,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve.errors import ServiceError
+from llmserve.errors import ServiceError, Unavailable
 from llmserve.settings import CommonSettings
 
 logger = structlog.get_logger(__name__)
@@ -73,12 +73,22 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 
 
 class ExceptionInterceptor(grpc.aio.ServerInterceptor):
-    """The one choke point that maps exceptions to exact status codes."""
+    """The one choke point that maps exceptions to exact status codes.
+
+    Until the service has started (models loaded, dependencies reached) its own RPCs answer
+    UNAVAILABLE, which callers retry; health and reflection answer from the first moment.
+    """
+
+    def __init__(self, gated_services: Sequence[str]) -> None:
+        self.gated_prefixes = tuple(f"/{name}/" for name in gated_services)
+        self.started = False
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+        if not self.started and handler_call_details.method.startswith(self.gated_prefixes):
+            handler = _not_started(handler)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
@@ -86,6 +96,20 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
         return handler
+
+
+def _not_started(handler):
+    async def unary(request, context):
+        raise Unavailable("starting")
+
+    async def stream(request, context):
+        raise Unavailable("starting")
+        yield  # pragma: no cover - makes this an async generator
+
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                    handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
 
 
 def _wrap_unary(behavior):
@@ -124,13 +148,16 @@ class ServerHandle:
     """A started server and its health state."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 names: Sequence[str], port: int) -> None:
+                 names: Sequence[str], port: int, interceptor: ExceptionInterceptor) -> None:
         self.server = server
         self.health = health_servicer
         self.names = names
         self.port = port
+        self.interceptor = interceptor
 
     async def set_serving(self, serving: bool) -> None:
+        """Report SERVING / NOT_SERVING; the first SERVING also opens the service's own RPCs."""
+        self.interceptor.started |= serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.names):
             await self.health.set(name, status)
@@ -144,7 +171,8 @@ async def start_server(service: Service, settings: CommonSettings,
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[ExceptionInterceptor()], options=options)
+    interceptor = ExceptionInterceptor(service.service_names)
+    server = grpc.aio.server(interceptors=[interceptor], options=options)
     service.add_to_server(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -152,7 +180,7 @@ async def start_server(service: Service, settings: CommonSettings,
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = _bind(server, settings)
     await server.start()
-    handle = ServerHandle(server, health_servicer, names, port)
+    handle = ServerHandle(server, health_servicer, names, port, interceptor)
     await handle.set_serving(False)
     return handle
 

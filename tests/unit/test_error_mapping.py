@@ -1,9 +1,8 @@
 """The exception interceptor maps domain errors to exact gRPC codes on a real server."""
 
-import asyncio
-
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 import redis.exceptions
 
 from llmserve import errors
@@ -48,8 +47,31 @@ class RaisingService:
 @pytest.fixture
 async def target():
     handle = await start_server(RaisingService(), CommonSettings())
+    await handle.set_serving(True)
     yield f"127.0.0.1:{handle.port}"
     await handle.server.stop(0)
+
+
+async def test_service_rpcs_are_unavailable_until_started_but_health_answers():
+    handle = await start_server(RaisingService(), CommonSettings())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service="test.Errors"), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await channel.unary_unary("/test.Errors/Unary")(b"invalid", timeout=5)
+            assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAVAILABLE, "starting")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in channel.unary_stream("/test.Errors/Stream")(b"invalid", timeout=5):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            await handle.set_serving(True)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await channel.unary_unary("/test.Errors/Unary")(b"invalid", timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await handle.server.stop(0)
 
 
 EXPECTED = [
