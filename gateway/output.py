@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import structlog
 from tokenizers import Tokenizer
 
-from llmserve.errors import from_code_name
+from llmserve.errors import Unavailable, from_code_name
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 
@@ -40,6 +40,8 @@ class OutputBuilder:
         ids = list(event.token_ids)
         if event.index > self.next_index:
             logger.warning("gap in token events", expected=self.next_index, got=event.index)
+            if event.final:  # never end a completion with tokens missing from its middle
+                raise Unavailable(f"token events {self.next_index}..{event.index - 1} missing")
             return []
         return ids[self.next_index - event.index:]
 

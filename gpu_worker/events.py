@@ -17,6 +17,9 @@ class Emission:
 
     tracked: Tracked
     token_ids: tuple[int, ...] = ()
+    # position of token_ids[0] in the completion, fixed when the event is queued: events can wait
+    # (Redis down) while the sequence goes on generating
+    index: int = 0
     final: bool = False
     finish_reason: int = 0
     error_code: str = ""
@@ -26,7 +29,7 @@ class Emission:
 def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
     seq = e.tracked.seq
     event = queue_pb2.TokenEvent(
-        request_id=e.tracked.item.request_id, index=seq.num_generated - len(e.token_ids),
+        request_id=e.tracked.item.request_id, index=e.index,
         token_ids=list(e.token_ids), worker_id=worker_id, final=e.final,
     )
     if e.final:

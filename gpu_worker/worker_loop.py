@@ -12,6 +12,7 @@ takes a `Snapshot` of the engine for heartbeats and Stats, which run concurrentl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -110,7 +111,7 @@ class WorkerLoop:
             self._emit_outputs(outputs)
         elif not self.accepting:
             await asyncio.sleep(0.02)
-        await self._flush()
+        await self.flush()
         self._take_snapshot()
 
     def _step(self) -> list[StepOutput]:
@@ -184,7 +185,8 @@ class WorkerLoop:
 
     # --- events and acks ---------------------------------------------------------------------
     def _queue(self, emission: Emission) -> None:
-        self.state.unpublished.append(emission)
+        index = emission.tracked.seq.num_generated - len(emission.token_ids)
+        self.state.unpublished.append(dataclasses.replace(emission, index=index))
         if emission.final:
             seq = emission.tracked.seq
             reason = emission.error_code or str(emission.finish_reason)
@@ -200,7 +202,7 @@ class WorkerLoop:
         self.state.entries.pop(entry_id, None)
         self.state.unacked.append(entry_id)
 
-    async def _flush(self) -> None:
+    async def flush(self) -> None:
         """Write queued events, then ack entries; on a Redis error both stay queued for the next turn."""
         emissions, acks = self.state.unpublished, self.state.unacked
         self.state.unpublished, self.state.unacked = [], []

@@ -86,3 +86,15 @@ def test_completion_cut_inside_a_character_ends_without_replacement_char(tokeniz
     detok = IncrementalDetokenizer(tokenizer)
     text = "".join(detok.feed([i]) for i in ids[:-1]) + detok.flush()  # last byte of the emoji never came
     assert text == "ok "
+
+
+def test_builder_never_finishes_over_a_gap(tokenizer):
+    from llmserve.errors import Unavailable
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False).ids
+    evs = events(ids, 2)
+    builder = OutputBuilder("r", tokenizer, [])
+    assert builder.feed(evs[0]) is not None
+    with pytest.raises(Unavailable):
+        for e in evs[2:]:  # the event holding tokens 2..3 never came
+            builder.feed(e)
+    assert builder.next_index == 2  # nothing past the gap was taken
