@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import redis
 
+from pathlib import Path
+
 from llmserve import model_store
 from llmserve.valkey import ValkeyServer
+
+
+# Test tenants: "dev" (key "dev-key"), "fuzz", "other", "restricted"; see the file's header.
+TEST_TENANTS = Path(__file__).resolve().parent / "data" / "tenants.test.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +48,8 @@ def stack(tmp_path_factory):
     """The whole stack on the real model, shared by every end-to-end test of the session."""
     from llmserve.stack import Stack, StackConfig
 
-    config = StackConfig(workers=1, device="cpu", port=0, log_dir=tmp_path_factory.mktemp("stack"))
+    config = StackConfig(workers=1, device="cpu", port=0, tenants=TEST_TENANTS,
+                         log_dir=tmp_path_factory.mktemp("stack"))
     running = Stack(config).start()
     yield running
     running.close()
