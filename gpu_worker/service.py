@@ -150,7 +150,7 @@ class WorkerService:
     async def _hand_back_rest(self) -> None:
         for attempt in range(20):
             try:
-                await self.loop._flush()
+                await self.loop.flush()
                 unread = await self.loop.read_unread_inbox()
                 items, entries = self.loop.items_to_hand_back(unread)
                 await hand_back(self.redis, self.model_id, self.worker_id, items, entries)
