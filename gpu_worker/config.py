@@ -29,6 +29,8 @@ class WorkerSettings(CommonSettings):
     max_inbox_batches: int = setting(4, "inbox entries read per poll")
     warmup: bool = setting(True, "run one forward before reporting SERVING")
     torch_threads: int = setting(0, "CPU threads for torch ops (0 = torch's default)")
+    cuda_graph_batch_sizes: str = setting("1,2,4,8,16,32,64",
+                                          "decode batch sizes captured in CUDA graphs on cuda ('' = off)")
 
     def validate(self) -> None:
         super().validate()
@@ -45,8 +47,13 @@ class WorkerSettings(CommonSettings):
         require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
         require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
         require(self.max_inbox_batches >= 1, "max_inbox_batches", "must be >= 1")
+        require(all(part.strip().isdigit() and int(part) > 0 for part in self.cuda_graph_batch_sizes.split(",")
+                    if part.strip()), "cuda_graph_batch_sizes", "must be a comma list of positive integers")
         require(not self.worker_id or ("{" not in self.worker_id and "}" not in self.worker_id),
                 "worker_id", "must not contain braces (they are Redis hash tags)")
+
+    def graph_batch_sizes(self) -> list[int]:
+        return [int(part) for part in self.cuda_graph_batch_sizes.split(",") if part.strip()]
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -56,6 +56,9 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
     engine = LLMEngine.create(model, config)
     logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)
+    if device == "cuda" and settings.graph_batch_sizes():
+        engine.capture_decode_graphs(settings.graph_batch_sizes())
+        logger.info("decode steps captured in CUDA graphs", batch_sizes=settings.graph_batch_sizes())
     return engine
 
 

@@ -67,6 +67,7 @@ class LLMEngine:
                                    self.block_manager)
         self.sampler = Sampler()
         self.counters = EngineCounters()
+        self.decode_graphs = None  # a DecodeGraphRunner once capture_decode_graphs() ran (CUDA only)
 
     @classmethod
     def create(cls, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype | None = None) -> "LLMEngine":
@@ -75,6 +76,20 @@ class LLMEngine:
         cache = KVCache.allocate(model.config, config.num_blocks, config.block_size,
                                  dtype or param.dtype, param.device)
         return cls(model, cache, config)
+
+    def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
+        """Capture pure-decode steps of these batch sizes in CUDA graphs; later steps replay them.
+
+        Steps with a prefill, more sequences than the largest size, or a block table wider than
+        the model's context run eagerly, so output never depends on whether a graph was used.
+        """
+        from gpu_worker.ops.cuda_graphs import DecodeGraphRunner
+
+        max_blocks = -(-self.context_length // self.config.block_size)
+        sizes = [b for b in batch_sizes if b <= self.config.max_num_seqs]
+        runner = DecodeGraphRunner(self.model, self.kv_cache, sizes, max_blocks)
+        runner.capture()
+        self.decode_graphs = runner
 
     # --- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> StepOutput | None:
@@ -123,6 +138,8 @@ class LLMEngine:
                 cache[dst].copy_(cache[src])
         inp = build_model_input(plan.scheduled, self.block_manager, self.device)
         plan.scheduled = inp.batch                                    # rows of the logits
+        if self.decode_graphs is not None:
+            return self.decode_graphs.run(inp.input_ids, inp.positions, inp.meta)
         return self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
 
     def _advance(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:

@@ -153,3 +153,21 @@ def test_decode_graph_runner_matches_eager():
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     for a, b in zip(cache.k_caches, cache_eager.k_caches):  # the graph wrote the same KV rows
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # GEMM shapes differ (4 vs 3 rows)
+
+
+def test_engine_with_decode_graphs_matches_eager_engine():
+    """The engine replaying captured decode steps gives the tokens of the eager engine."""
+    try:
+        from gpu_worker.engine.engine import EngineConfig, LLMEngine
+        from gpu_worker.engine.sequence import SamplingParams
+    except Exception:
+        pytest.skip("engine package does not import on this image (protobuf)")
+    prompts = make_prompts()
+    model = make_model("cuda")
+    config = EngineConfig(num_blocks=256, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=512,
+                          enable_prefix_caching=False)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)] * len(prompts)
+    eager = LLMEngine.create(model, config).generate(prompts, params)
+    graphed = LLMEngine.create(model, config)
+    graphed.capture_decode_graphs([1, 2, 4, 8])
+    assert graphed.generate(prompts, params) == eager
