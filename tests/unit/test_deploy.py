@@ -471,6 +471,15 @@ def test_prod_workers_get_a_gpu_and_the_cuda_image():
     assert "nvidia.com/gpu" not in dev_worker["resources"]["requests"]
 
 
+def test_cpu_workers_use_no_more_torch_threads_than_their_cpu_request():
+    for name in ("base", "dev"):
+        worker = by_kind(RENDERED[name], "Deployment")["worker"]["spec"]["template"]["spec"]["containers"][0]
+        cpu = str(worker["resources"]["requests"]["cpu"])
+        cores = int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+        threads = int(container_env(RENDERED[name], worker)["LLMSERVE_TORCH_THREADS"])
+        assert 1 <= threads <= max(1, cores), (name, threads, cpu)
+
+
 def test_compose_worker_profiles_and_gpu_reservation():
     services = compose()["services"]
     assert "profiles" not in services["worker-cpu"], "the CPU worker must start with a plain `docker compose up`"
