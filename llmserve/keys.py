@@ -6,7 +6,6 @@ runs on Redis Cluster:
     llmserve:{m:<model>}:work:<priority>     work stream (gateway XADD, batcher group)
     llmserve:{m:<model>}:inbox:<worker_id>   a worker's inbox stream of batches
     llmserve:{m:<model>}:workers             hash worker_id -> WorkerHeartbeat bytes
-    llmserve:{m:<model>}:deliveries          hash request uid -> delivery count
     llmserve:{m:<model>}:inboxes             set of worker ids the batcher wrote an inbox for
     llmserve:{r:<tenant>:<id>}:events        per-request token-event stream (TTL)
     llmserve:{r:<tenant>:<id>}:cancel        exists once the request is cancelled
@@ -50,10 +49,6 @@ def workers_hash(model: str) -> str:
 def inboxes_set(model: str) -> str:
     """Worker ids that have (had) an inbox; the batcher scans it to reclaim dead workers' batches."""
     return f"{PREFIX}:{{m:{model}}}:inboxes"
-
-
-def deliveries_hash(model: str) -> str:
-    return f"{PREFIX}:{{m:{model}}}:deliveries"
 
 
 def request_uid(tenant: str, request_id: str) -> str:
