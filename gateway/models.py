@@ -36,7 +36,12 @@ class ModelCatalog:
         self.ids = [model_store.model_id(spec) for spec in specs]
         self.default_id = self.ids[0]
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(tokenizer_target)
+        # round_robin: a headless Service's DNS name resolves to every tokenizer pod; the default
+        # pick_first would send every call to one of them
+        self.channel = grpc.aio.insecure_channel(tokenizer_target, options=[
+            ("grpc.lb_policy_name", "round_robin"),
+            ("grpc.max_receive_message_length", 64 * 2**20),  # tokenizer JSON of large vocabularies
+        ])
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
         self.models: dict[str, ModelInfo] = {}
 

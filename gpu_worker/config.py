@@ -55,5 +55,10 @@ class WorkerSettings(CommonSettings):
     def graph_batch_sizes(self) -> list[int]:
         return [int(part) for part in self.cuda_graph_batch_sizes.split(",") if part.strip()]
 
+    def admin_address(self) -> str:
+        """host:port other services reach the admin API at (a wildcard bind is no address)."""
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else socket.gethostbyname(socket.gethostname())
+        return f"{host}:{self.port}"
+
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"

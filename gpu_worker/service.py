@@ -106,7 +106,7 @@ class WorkerService:
         self.loop = WorkerLoop(self.engine, self.redis, self.model_id, self.worker_id,
                                self.settings.events_ttl_s, self.settings.max_inbox_batches)
         self.heartbeat = Heartbeat(
-            self.redis, self.model_id, self.worker_id, f"{self.settings.host}:{self.settings.port}",
+            self.redis, self.model_id, self.worker_id, self.settings.admin_address(),
             self.settings.heartbeat_s, self.settings.block_size, self.settings.max_running,
             snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining)
         self._tasks = [asyncio.create_task(self.loop.run(), name="engine-loop"),
