@@ -9,7 +9,6 @@ from batcher.config import BatcherSettings
 from batcher.service import BatcherService
 from llmserve.log import configure_logging
 from llmserve.server import serve
-from llmserve.settings import SettingsError
 
 DESCRIPTION = (
     "Reads the work streams of each model with consumer group 'batchers', forms batches "
@@ -20,12 +19,8 @@ DESCRIPTION = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        settings = BatcherSettings.load(sys.argv[1:] if argv is None else argv, prog="python -m batcher",
-                                        description=DESCRIPTION)
-    except SettingsError as exc:
-        print(f"batcher: {exc}", file=sys.stderr)
-        return 2
+    settings = BatcherSettings.load_or_exit(sys.argv[1:] if argv is None else argv, prog="python -m batcher",
+                                            description=DESCRIPTION)
     configure_logging("batcher", settings.log_level)
     asyncio.run(serve(BatcherService(settings), settings, "batcher"))
     return 0

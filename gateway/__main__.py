@@ -7,19 +7,14 @@ import sys
 
 from llmserve.log import configure_logging
 from llmserve.server import serve
-from llmserve.settings import SettingsError
 
 from gateway.config import GatewaySettings
 from gateway.service import InferenceService
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        settings = GatewaySettings.load(sys.argv[1:] if argv is None else argv, prog="python -m gateway",
-                                        description="llmserve gateway: auth, quotas, admission, streaming")
-    except SettingsError as exc:
-        print(f"gateway: {exc}", file=sys.stderr)
-        return 2
+    settings = GatewaySettings.load_or_exit(sys.argv[1:] if argv is None else argv, prog="python -m gateway",
+                                            description="llmserve gateway: auth, quotas, admission, streaming")
     configure_logging("gateway", settings.log_level)
     asyncio.run(_run(settings))
     return 0

@@ -9,7 +9,6 @@ from gpu_worker.config import WorkerSettings
 from gpu_worker.service import WorkerService
 from llmserve.log import configure_logging
 from llmserve.server import serve
-from llmserve.settings import SettingsError
 from llmserve.valkey import free_port
 
 DESCRIPTION = ("Inference worker: consumes its Redis inbox, runs continuous batching over a paged KV cache, "
@@ -17,12 +16,8 @@ DESCRIPTION = ("Inference worker: consumes its Redis inbox, runs continuous batc
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        settings = WorkerSettings.load(sys.argv[1:] if argv is None else argv,
-                                       prog="python -m gpu_worker", description=DESCRIPTION)
-    except SettingsError as exc:
-        print(f"gpu_worker: {exc}", file=sys.stderr)
-        return 2
+    settings = WorkerSettings.load_or_exit(sys.argv[1:] if argv is None else argv,
+                                           prog="python -m gpu_worker", description=DESCRIPTION)
     configure_logging("gpu_worker", settings.log_level)
     if settings.port == 0:
         settings.port = free_port()     # the heartbeat advertises the admin address, so fix it now

@@ -119,6 +119,15 @@ class BaseSettings:
         settings.validate()
         return settings
 
+    @classmethod
+    def load_or_exit(cls: type[T], argv: Sequence[str] | None, prog: str, description: str = "") -> T:
+        """`load()` for a service's `main`: a bad setting ends the process with exit code 2 and the
+        reason on stderr, as a bad flag does."""
+        try:
+            return cls.load(argv, prog=prog, description=description)
+        except SettingsError as exc:
+            cls.parser(prog, description).error(str(exc))
+
     def to_flags(self) -> list[str]:
         """The command-line flags that reproduce these settings."""
         flags: list[str] = []

@@ -68,3 +68,10 @@ def test_help_lists_env_names(capsys):
         ExampleSettings.load(["--help"], env={})
     out = capsys.readouterr().out
     assert "LLMSERVE_MAX_BATCH" in out and "--max-batch" in out
+
+
+def test_load_or_exit_ends_with_code_2_and_the_reason(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        ExampleSettings.load_or_exit(["--max-batch", "0"], prog="python -m example")
+    assert exit_.value.code == 2
+    assert "python -m example: error: invalid setting max_batch: must be >= 1" in capsys.readouterr().err
