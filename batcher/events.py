@@ -8,11 +8,11 @@ final event (same index) again, which the gateway dedupes by index.
 
 from __future__ import annotations
 
-import time
 from enum import Enum
 
 import redis.asyncio as aioredis
 
+from llmserve.clock import now_ms
 from llmserve.v1 import inference_pb2, queue_pb2
 
 
@@ -48,7 +48,7 @@ def final_event(item: queue_pb2.WorkItem, reason: DropReason, detail: str = "") 
 
 
 def is_expired(item: queue_pb2.WorkItem, now_unix_ms: int | None = None) -> bool:
-    now_unix_ms = int(time.time() * 1000) if now_unix_ms is None else now_unix_ms
+    now_unix_ms = now_ms() if now_unix_ms is None else now_unix_ms
     return 0 < item.deadline_unix_ms <= now_unix_ms
 
 

@@ -7,19 +7,16 @@ DESIGN.md says, with a plain synchronous Redis client. Calls never block.
 
 from __future__ import annotations
 
-import time
 
 import redis
 from redis.exceptions import ResponseError
 
 from llmserve import keys
+from llmserve.clock import now_ms
 from llmserve.v1 import inference_pb2, queue_pb2
 
 MODEL = "m"
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def make_item(request_id: str, tenant: str = "t", *, model: str = MODEL, prompt_len: int = 4,

@@ -29,6 +29,7 @@ from batcher.reclaimer import Reclaimer
 from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
 from llmserve import keys
+from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -40,9 +41,6 @@ _PIPELINED = 8             # batches formed and dispatched per Redis round trip
 _Plan = tuple[Capacity, list[Held]]
 _Drop = tuple[Held, DropReason, str]
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class ModelBatcher:

@@ -23,6 +23,7 @@ from batcher.events import DropReason, final_event, write_final
 from batcher.scripts import Source
 from batcher.workers import Capacity, blocks_needed
 from llmserve import keys
+from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class Reclaimer:
     # ── (b) inboxes of dead workers ───────────────────────────────────────
 
     async def claim_inboxes(self) -> None:
-        owner, now = self.owner, _now_ms()
+        owner, now = self.owner, now_ms()
         if not owner.pool.accepting(now):
             return  # nobody to hand batches to: leave them where they are
         for raw in await owner.redis.smembers(keys.inboxes_set(owner.model)):
@@ -133,14 +134,14 @@ class Reclaimer:
         if cap is None:
             metrics.NO_CAPACITY.labels(owner.model).inc()
             return  # retried on the next sweep
-        batch = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=items, created_unix_ms=_now_ms())
+        batch = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=items, created_unix_ms=now_ms())
         result = await owner.scripts.dispatch(
             keys.inbox_stream(owner.model, cap.worker_id), keys.inboxes_set(owner.model), cap.worker_id,
             keys.INBOX_GROUP, owner.consumer, source, batch.SerializeToString())
         del self._prepared[key]  # dispatched, or another replica owns it now
         if result.ok:
             blocks = sum(blocks_needed(i, cap.block_size, owner.settings.decode_reserve) for i in items)
-            owner.pool.reserve(cap.worker_id, blocks, len(items), _now_ms())
+            owner.pool.reserve(cap.worker_id, blocks, len(items), now_ms())
             metrics.DISPATCHED.labels(owner.model).inc(len(items))
             logger.info("redispatched batch", from_inbox=inbox, to_worker=cap.worker_id, items=len(items))
 
@@ -160,15 +161,12 @@ class Reclaimer:
     def _target(self, items: list[queue_pb2.WorkItem]) -> Capacity | None:
         """The accepting worker with most room that can admit the whole batch."""
         decode_reserve = self.owner.settings.decode_reserve
-        for cap in self.owner.pool.accepting(_now_ms()):
+        for cap in self.owner.pool.accepting(now_ms()):
             blocks = sum(blocks_needed(i, cap.block_size, decode_reserve) for i in items)
             if cap.free_seqs >= len(items) and cap.free_blocks >= blocks:
                 return cap
         return None
 
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _text(value: bytes | str) -> str:

@@ -7,7 +7,6 @@ launcher waits for SERVING); all real work happens against Redis.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import redis.asyncio as aioredis
@@ -19,6 +18,7 @@ from batcher.config import BatcherSettings
 from batcher.model_batcher import ModelBatcher
 from batcher.scripts import Scripts
 from llmserve import keys, redis_client
+from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -85,7 +85,7 @@ class BatcherService:
 
     async def _publish_depth(self, model: str) -> None:
         """Depth = stream length (dispatched entries are deleted, so: unread + read-ahead); age of the oldest."""
-        now_ms = int(time.time() * 1000)
+        now = now_ms()
         metrics.HELD.labels(model).set(len(self.models[model].queue))
         for priority in keys.PRIORITY_ORDER:
             stream, label = keys.work_stream(model, priority), keys.priority_name(priority)
@@ -94,5 +94,5 @@ class BatcherService:
             age = 0.0
             if first:
                 item = queue_pb2.WorkItem.FromString(first[0][1][b"item"])
-                age = max(0.0, (now_ms - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0
+                age = max(0.0, (now - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0
             metrics.QUEUE_AGE.labels(model, label).set(age)

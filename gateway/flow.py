@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from llmserve import keys
+from llmserve.clock import now_ms
 from llmserve.errors import (DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                              Unavailable)
 from llmserve.v1 import inference_pb2 as pb
@@ -42,9 +43,6 @@ from gateway.watch import QueueWaitExceeded, Watch
 
 logger = structlog.get_logger(__name__)
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def limits_of(tenant: Tenant) -> Limits:

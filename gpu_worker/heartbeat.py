@@ -11,7 +11,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 import structlog
 
-from gpu_worker.requests import now_ms
+from llmserve.clock import now_ms
 from gpu_worker.worker_loop import REDIS_ERRORS, Snapshot
 from llmserve import keys
 from llmserve.v1 import queue_pb2

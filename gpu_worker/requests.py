@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
 import zlib
 from dataclasses import dataclass, field
 
 from gpu_worker.engine.sequence import SamplingParams, Sequence
+from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def sampling_params(item: queue_pb2.WorkItem) -> SamplingParams:

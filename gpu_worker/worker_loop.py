@@ -26,7 +26,8 @@ from gpu_worker.engine.engine import LLMEngine, StepOutput
 from gpu_worker.engine.sequence import FINISH_CANCELLED
 from gpu_worker.events import Emission, EventPublisher
 from gpu_worker.inbox import Inbox, InboxEntry
-from gpu_worker.requests import Tracked, now_ms, validate_item
+from gpu_worker.requests import Tracked, validate_item
+from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)

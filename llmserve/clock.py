@@ -1,0 +1,11 @@
+"""Wall-clock milliseconds: the time unit of every timestamp in the queue protocol
+(deadlines, arrival, enqueue, heartbeats), comparable across processes and hosts."""
+
+from __future__ import annotations
+
+import time
+
+
+def now_ms() -> int:
+    """Unix time in whole milliseconds."""
+    return int(time.time() * 1000)
