@@ -1,7 +1,9 @@
 """Offline engine benchmark on CPU: throughput (tokens/s) and inter-token latency of the
 continuous-batching paged-KV engine at 1, 4, 16, 32 concurrent sequences, side by side
-with a naive baseline (Hugging-Face-style `generate`: one request at a time, plain torch,
-dense KV cache grown by concatenation, no batching) on the same weights in the same run.
+with a naive baseline (Hugging-Face-style `generate`: one request at a time, plain torch
+`F.linear` on the weights as loaded, dense KV cache grown by concatenation, no batching) on the
+same weights in the same run. The engine runs as the worker does, with its GEMM weights
+prepacked for oneDNN (gpu_worker/ops/packed_linear.py); the x1 row shows what that alone gives.
 
     .venv/bin/python -m bench.engine                       # prompt 128, output 128
     .venv/bin/python -m bench.engine --output-len 32 --concurrency 1,4,16
@@ -184,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtypes = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
     model = load_model(args.model, "cpu", dtypes[args.dtype])
+    plain_model = load_model(args.model, "cpu", dtypes[args.dtype], prepack=False)  # the naive baseline's
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         engine_runs, base_runs = [], []
         for _ in range(args.repeats):
             eng, eng_out = run_engine(model, prompts[:n], args.output_len, args)
-            base, base_out = run_baseline(model, prompts[:min(n, args.baseline_requests)], args.output_len, n)
+            base, base_out = run_baseline(plain_model, prompts[:min(n, args.baseline_requests)], args.output_len, n)
             engine_runs.append(eng)
             base_runs.append(base)
             agree += [a == b for a, b in zip(eng_out, base_out)]

@@ -15,6 +15,17 @@ import structlog
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time of the write, not at configure time, so
+    a logger cached by a module keeps working after the stream is swapped (pytest capture)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(service: str, level: str = "info") -> None:
     """JSON lines on stderr: timestamp, level, service, event and bound context."""
     logging.basicConfig(format="%(message)s", stream=sys.stderr, level=_LEVELS[level])
@@ -28,7 +39,7 @@ def configure_logging(service: str, level: str = "info") -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)

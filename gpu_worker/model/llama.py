@@ -2,7 +2,8 @@
 
 One forward runs every sequence of a step at once (prefill chunks then decodes,
 see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
-matmuls (cuBLAS on GPU). Q/K/V and gate/up projections are fused into one GEMM each.
+matmuls (cuBLAS on GPU; oneDNN with prepacked weights on CPU after
+`prepack_for_cpu`). Q/K/V and gate/up projections are fused into one GEMM each.
 
 Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
 """
@@ -20,7 +21,8 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
-from gpu_worker.ops import get_ops
+from gpu_worker.ops import get_ops, packed_linear
+from gpu_worker.ops.packed_linear import linear
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
@@ -44,7 +46,7 @@ class LlamaDecoderLayer(nn.Module):
     def attention(self, ops, positions, h, meta: AttentionMetadata, k_cache, v_cache, cos_sin) -> torch.Tensor:
         """h: [T, H] (normed) -> attention output projected back to [T, H]."""
         c = self.config
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hk) * D]
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hk) * D]
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, Hq, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hk, D]
@@ -63,7 +65,7 @@ class LlamaDecoderLayer(nn.Module):
             out[num_prefill:] = ops.paged_decode_attention(
                 q[num_prefill:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
             )
-        return F.linear(out.view(-1, c.q_size), self.o_weight)  # [T, H]
+        return linear(out.view(-1, c.q_size), self.o_weight)  # [T, H]
 
     def forward(self, ops, positions, h, residual, meta, k_cache, v_cache, cos_sin):
         """h: [T, H] output of the previous layer, residual: [T, H] or None -> (h [T, H], residual [T, H])."""
@@ -74,8 +76,8 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm, eps)
         h = self.attention(ops, positions, h, meta, k_cache, v_cache, cos_sin)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_norm, eps)
-        gate_up = F.linear(h, self.gate_up_weight)  # [T, 2I]
-        h = F.linear(ops.silu_and_mul(gate_up), self.down_weight)  # [T, H]
+        gate_up = linear(h, self.gate_up_weight)  # [T, 2I]
+        h = linear(ops.silu_and_mul(gate_up), self.down_weight)  # [T, H]
         return h, residual
 
 
@@ -153,7 +155,21 @@ class LlamaModel(nn.Module):
         # only the sampled rows need the final norm and the vocab GEMM
         idx = meta.logits_indices
         h, _ = ops.fused_add_rms_norm(h[idx], residual[idx], self.norm, self.config.rms_norm_eps)  # [S, H]
-        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()  # [num_seqs, V]
+        return linear(h.to(self.lm_head.dtype), self.lm_head).float()  # [num_seqs, V]
+
+    @torch.no_grad()
+    def prepack_for_cpu(self) -> bool:
+        """Swap every GEMM weight for its oneDNN-prepacked form (see ops/packed_linear.py); the
+        model is inference-only afterwards (no load_weights, no .to()). False where unsupported."""
+        if self.device.type != "cpu" or not packed_linear.available():
+            return False
+        for layer in self.layers:
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+                setattr(layer, name, nn.Parameter(packed_linear.pack(getattr(layer, name)), requires_grad=False))
+        # the embedding lookup needs the plain table, so a tied head gets its own packed copy
+        self.lm_head = nn.Parameter(packed_linear.pack(self.lm_head), requires_grad=False)
+        self.share_lm_head = False
+        return True
 
     # ---- weight loading -------------------------------------------------------------------------
 

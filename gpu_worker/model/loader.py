@@ -44,8 +44,11 @@ def load_config(spec: str | Path) -> ModelConfig:
     return config
 
 
-def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None) -> LlamaModel:
-    """Build the model for `spec` (alias like "smollm2-135m", a .gguf path, or an HF directory)."""
+def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, prepack: bool = True) -> LlamaModel:
+    """Build the model for `spec` (alias like "smollm2-135m", a .gguf path, or an HF directory).
+
+    prepack: on CPU, put GEMM weights in oneDNN's blocked layout (LlamaModel.prepack_for_cpu).
+    """
     start = time.monotonic()
     path = model_store.resolve(str(spec))
     dtype = dtype or default_dtype(device)
@@ -53,8 +56,9 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None) 
     model = LlamaModel(config, device=device, dtype=dtype)
     model.load_weights(weights)
     model.eval()
+    prepacked = prepack and model.prepack_for_cpu()
     logger.info(
-        "model loaded", path=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
+        "model loaded", path=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."), prepacked=prepacked,
         layers=config.num_layers, hidden=config.hidden_size, seconds=round(time.monotonic() - start, 2),
     )
     return model

@@ -1,4 +1,8 @@
-"""Engine on a tiny random Llama (CPU, fp32): batching, prefix cache, seeds, preemption, handoff."""
+"""Engine on a tiny random Llama (CPU, fp32): batching, prefix cache, seeds, preemption, handoff.
+
+Every test runs twice: with plain weights (F.linear) and with oneDNN-prepacked weights, the
+production CPU path (LlamaModel.prepack_for_cpu).
+"""
 
 from __future__ import annotations
 
@@ -27,9 +31,12 @@ def make_model(seed: int = 0) -> LlamaModel:
     return model
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return make_model()
+@pytest.fixture(scope="module", params=["plain", "prepacked"])
+def model(request) -> LlamaModel:
+    model = make_model()
+    if request.param == "prepacked" and not model.prepack_for_cpu():
+        pytest.skip("this torch build cannot prepack CPU weights")
+    return model
 
 
 def make_engine(model: LlamaModel, num_blocks: int = 64, budget: int = 512, caching: bool = True,

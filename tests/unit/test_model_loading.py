@@ -343,10 +343,10 @@ def test_gguf_conversion_is_cached(tmp_path):
     write_gguf(tmp_path / "c.gguf", cfg, make_weights(cfg, tied=True, bias=False))
     target = gguf_loader.cache_path(tmp_path / "c.gguf")
     assert not target.exists()
-    first = load_model(tmp_path / "c.gguf", "cpu", torch.float32)
+    first = load_model(tmp_path / "c.gguf", "cpu", torch.float32, prepack=False)
     assert target.exists() and target.parent.parent == tmp_path / "cache"
     mtime = target.stat().st_mtime_ns
-    second = load_model(tmp_path / "c.gguf", "cpu", torch.float32)
+    second = load_model(tmp_path / "c.gguf", "cpu", torch.float32, prepack=False)
     assert target.stat().st_mtime_ns == mtime  # reused, not rewritten
     assert second.config == first.config
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
