@@ -11,33 +11,25 @@ import torch
 from gpu_worker.model import gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.ops import packed_linear
 from llmserve import model_store
 
 logger = structlog.get_logger(__name__)
 
-def _cpu_multiplies_bf16() -> bool:
-    """AVX512-BF16 or AMX: the cores have bf16 dot-product instructions (elsewhere oneDNN
-    emulates bf16 and fp32 is the faster choice)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+# CPU compute dtype. With prepacked weights (ops/packed_linear.py) bf16 runs the engine ~1.3x faster
+# than fp32 on an AVX512-BF16 EPYC, and its GEMM rows are bitwise batch-invariant too. But attention
+# over a chunked or recomputed prefill sums in another order than over decode steps; in bf16 that
+# difference (~1e-3) reaches the logits, and a preempted-and-recomputed or differently chunked
+# sequence then drew other sampled tokens (tests/integration/test_engine.py failed with bf16).
+# In fp32 it stays ~1e-7. fp32 keeps a sequence's tokens independent of batching, chunking and
+# preemption; `--dtype bfloat16` trades that for speed.
+CPU_DTYPE = torch.float32
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
-    """Compute dtype for a device: bf16 on GPUs that support it, else fp16; on CPU whichever is
-    faster there, bf16 on cores with bf16 instructions when weights can be prepacked, else fp32.
-
-    On CPU, bf16 is only the default with prepacked weights: plain MKL/oneDNN bf16 GEMMs give a
-    row different bits in a batch than alone, which changed greedy output with batch composition
-    and prefix-cache hits; the prepacked ones do not (see ops/packed_linear.py). On a 2-core
-    AVX512-BF16 EPYC, bf16 runs the engine 1.3x faster than fp32 (`python -m bench.engine`).
-    """
+    """Compute dtype for a device: fp32 on CPU; bf16 on GPUs that support it, else fp16."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_multiplies_bf16() and packed_linear.available() else torch.float32
+    return CPU_DTYPE
 
 
 def _source(path: Path):

@@ -1,8 +1,7 @@
 """Engine on a tiny random Llama (CPU, fp32): batching, prefix cache, seeds, preemption, handoff.
 
-Every test runs with plain fp32 weights (F.linear) and with oneDNN-prepacked fp32 and bf16
-weights, the production CPU paths (LlamaModel.prepack_for_cpu; bf16 where the CPU has bf16
-instructions).
+Every test runs twice: with plain weights (F.linear) and with oneDNN-prepacked weights, the
+production CPU path (LlamaModel.prepack_for_cpu).
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ VOCAB = 128
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaModel:
+def make_model(seed: int = 0) -> LlamaModel:
     config = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=16, context_length=256, tie_word_embeddings=True)
-    model = LlamaModel(config, device="cpu", dtype=dtype)
+    model = LlamaModel(config, device="cpu", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:
@@ -32,11 +31,10 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaModel:
     return model
 
 
-@pytest.fixture(scope="module", params=["plain-fp32", "prepacked-fp32", "prepacked-bf16"])
+@pytest.fixture(scope="module", params=["plain", "prepacked"])
 def model(request) -> LlamaModel:
-    layout, dtype = request.param.split("-")
-    model = make_model(dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-    if layout == "prepacked" and not model.prepack_for_cpu():
+    model = make_model()
+    if request.param == "prepacked" and not model.prepack_for_cpu():
         pytest.skip("this torch build cannot prepack CPU weights")
     return model
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.engine.sampler import Sampler, apply_repetition_penalty, filter_top_k_top_p
+from gpu_worker.engine.sampler import Sampler, _filter_by_sort, apply_repetition_penalty, top_k_top_p_candidates
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 
 VOCAB = 50
@@ -16,6 +16,16 @@ def make_seq(prompt_len: int = 3, **params) -> Sequence:
 
 def make_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def kept(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, vocab] bool: the tokens each row may draw (its candidates that are not -inf)."""
+    mask = torch.zeros(logits.shape, dtype=torch.bool)
+    for group in top_k_top_p_candidates(logits, top_k, top_p):
+        ids = group.token_ids if group.token_ids is not None else torch.arange(logits.shape[1]).expand_as(group.logits)
+        for row, row_ids, row_logits in zip(group.rows.tolist(), ids, group.logits):
+            mask[row, row_ids[torch.isfinite(row_logits)]] = True
+    return mask
 
 
 def test_greedy_is_argmax():
@@ -32,8 +42,32 @@ def test_top_k_one_and_tiny_top_p_are_argmax():
 
 def test_filter_keeps_exact_top_k_and_top_p_sets():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [0.0, 10.0, 9.9, -5.0]])
-    out = filter_top_k_top_p(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.9]))
-    assert torch.isfinite(out).tolist() == [[True, True, False, False], [False, True, True, False]]
+    mask = kept(logits, torch.tensor([2, 0]), torch.tensor([1.0, 0.9]))
+    assert mask.tolist() == [[True, True, False, False], [False, True, True, False]]
+
+
+def test_candidate_filter_equals_whole_row_sort():
+    """The topk-candidate path keeps exactly what sorting whole rows keeps, including rows so flat
+    that the nucleus reaches past the candidates (they fall back to the sort)."""
+    vocab = 5000
+    gen = torch.Generator().manual_seed(3)
+    scales = torch.tensor([8.0, 3.0, 3.0, 1.0, 0.01, 3.0, 2.0, 0.5, 0.02, 3.0, 1.0, 4.0])
+    logits = torch.randn(12, vocab, generator=gen) * scales.unsqueeze(1)
+    top_k = torch.tensor([0, 1, 5, 40, 2000, 0, 0, 10, 0, 3000, 0, 7])
+    top_p = torch.tensor([0.9, 1.0, 1.0, 0.5, 0.95, 0.3, 1.0, 0.99, 0.999, 1.0, 0.8, 0.6])
+    fast = kept(logits, top_k, top_p)
+    limited = [i for i in range(12) if i != 6]  # row 6 asks for nothing (the sort's cumsum rounds past 1.0)
+    exact = _filter_by_sort(logits[limited], torch.where(top_k > 0, top_k, vocab)[limited], top_p[limited])
+    assert torch.equal(fast[limited], torch.isfinite(exact))
+    counts = fast.sum(-1).tolist()
+    assert counts[1] == 1 and counts[2] == 5 and counts[6] == vocab and counts[9] == 3000
+    assert counts[8] > 1024  # nucleus wider than the candidates: the sort fallback ran
+
+
+def test_rows_without_top_k_or_top_p_draw_from_the_whole_row_uncopied():
+    logits = make_logits(3)
+    [group] = top_k_top_p_candidates(logits, torch.zeros(3, dtype=torch.long), torch.ones(3))
+    assert group.logits is logits and group.token_ids is None and group.rows.tolist() == [0, 1, 2]
 
 
 def test_repetition_penalty_divides_positive_multiplies_negative():
