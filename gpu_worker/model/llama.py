@@ -161,7 +161,7 @@ class LlamaModel(nn.Module):
     def prepack_for_cpu(self) -> bool:
         """Swap every GEMM weight for its oneDNN-prepacked form (see ops/packed_linear.py); the
         model is inference-only afterwards (no load_weights, no .to()). False where unsupported."""
-        if self.device.type != "cpu" or not packed_linear.available():
+        if self.device.type != "cpu" or not packed_linear.available(self.dtype):
             return False
         for layer in self.layers:
             for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):

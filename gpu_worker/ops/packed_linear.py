@@ -18,17 +18,24 @@ ops its inductor CPU backend uses (`torch.ops.mkldnn._reorder_linear_weight` and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 BATCH_HINT = 16  # rows the blocked layout is tuned for; any M works
 
 
-def available() -> bool:
-    """True where this torch build can prepack linear weights for the CPU."""
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+@functools.cache
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """True where this torch build and CPU can prepack `dtype` weights (tried once on a tiny one)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        linear(torch.ones(1, 4, dtype=dtype), pack(torch.ones(2, 4, dtype=dtype)))
+    except (AttributeError, RuntimeError):  # op missing from this build, or dtype unsupported on this CPU
+        return False
+    return True
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
