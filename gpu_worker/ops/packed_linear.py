@@ -11,9 +11,11 @@ weight the same way whatever M is; a single row takes a different reduction orde
 shapes (SmolLM2's down projection), so it is computed as two. Each row's result is then the
 same bits alone, in a decode batch or in a prefill chunk (tests/unit/test_packed_linear.py),
 and a sequence's logits do not depend on what it is batched with. Plain MKL `F.linear` gives
-no such guarantee: its M = 1 rows differ in the last bits from the same rows in a batch. PyTorch exposes this through the
-ops its inductor CPU backend uses (`torch.ops.mkldnn._reorder_linear_weight` and
-`_linear_pointwise`); where a build lacks them, weights stay plain and `F.linear` runs.
+no such guarantee: its M = 1 rows differ in the last bits from the same rows in a batch.
+
+PyTorch exposes this through the ops its inductor CPU backend uses
+(`torch.ops.mkldnn._reorder_linear_weight` and `_linear_pointwise`); where a build or CPU
+cannot run them (`available`), weights stay plain and `F.linear` runs.
 """
 
 from __future__ import annotations
