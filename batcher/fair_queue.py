@@ -125,6 +125,14 @@ class FairQueue:
         self._classes[_priority_class(held.item.priority)].push(held)
         return True
 
+    def peek(self) -> queue_pb2.WorkItem | None:
+        """The item the next `take` offers first (highest class, tenant first in its rotation)."""
+        for priority in keys.PRIORITY_ORDER:
+            tenants = self._classes[priority].tenants
+            if tenants:
+                return next(iter(tenants.values()))[0].item
+        return None
+
     def take(self, admit: Callable[[Held], bool]) -> list[Held]:
         """Items for one batch in strict priority order; `admit` says whether the next one fits."""
         batch: list[Held] = []

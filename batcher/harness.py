@@ -42,12 +42,12 @@ def enqueue(client: redis.Redis, *items: queue_pb2.WorkItem) -> None:
 
 def heartbeat(client: redis.Redis, worker_id: str, *, model: str = MODEL, free_blocks: int = 100_000,
               total_blocks: int | None = None, block_size: int = 16, running: int = 0, max_running: int = 4096,
-              draining: bool = False, sent_unix_ms: int | None = None) -> None:
+              draining: bool = False, sent_unix_ms: int | None = None, cached_prefix_hashes: list[int] = ()) -> None:
     hb = queue_pb2.WorkerHeartbeat(
         worker_id=worker_id, model=model, free_blocks=free_blocks,
         total_blocks=free_blocks if total_blocks is None else total_blocks, block_size=block_size,
         running=running, max_running=max_running, draining=draining,
-        sent_unix_ms=now_ms() if sent_unix_ms is None else sent_unix_ms)
+        sent_unix_ms=now_ms() if sent_unix_ms is None else sent_unix_ms, cached_prefix_hashes=cached_prefix_hashes)
     client.hset(keys.workers_hash(model), worker_id, hb.SerializeToString())
 
 

@@ -1,7 +1,7 @@
 """The batching loop of one model.
 
     XREADGROUP (3 priority streams) ─▶ FairQueue (held, still pending) ─▶ take(batch)
-        ─▶ drop expired / cancelled (final event, ack) ─▶ pick worker (capacity)
+        ─▶ drop expired / cancelled (final event, ack) ─▶ pick worker (prefix, capacity)
         ─▶ Lua: XADD inbox + XACK/XDEL items ─▶ reserve capacity locally
 
 Everything that touches the local queue runs in this one task (reads,
@@ -193,15 +193,16 @@ class ModelBatcher:
         return sent
 
     def _plan(self, force: bool) -> tuple[list[_Plan], list[_Drop]]:
-        """Up to _PIPELINED due batches, each for the worker with most room, capacity reserved."""
+        """Up to _PIPELINED due batches, each for the worker `WorkerPool.choose` picks for its first
+        item (cached prefix, else most room), capacity reserved."""
         plans: list[_Plan] = []
         dropped: list[_Drop] = []
         while len(plans) < _PIPELINED and self.queue and (force or self._ready(time.monotonic())):
             stamp = now_ms()
-            accepting = self.pool.accepting(stamp)
-            cap = next((c for c in accepting if c.free_seqs > 0 and c.free_blocks > 0), None)
+            cap = self.pool.choose(self.queue.peek(), stamp, self.settings.decode_reserve)
             if cap is None:
                 break
+            accepting = self.pool.accepting(stamp)
             largest = max((c.total_blocks for c in accepting), default=0)
             budget = BatchBudget(self.limits, self.settings.decode_reserve, cap, largest, stamp)
             taken = self.queue.take(budget.admit)

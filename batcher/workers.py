@@ -10,6 +10,11 @@ A reservation is dropped once a heartbeat at least `grace_ms` newer than the
 dispatch arrives (by then the worker has read its inbox and counts the batch
 itself). Each replica keeps its own ledger, so two replicas may both fill the
 same free space within one heartbeat interval.
+
+Prefix-aware choice: a heartbeat also lists the chain hashes of the worker's most
+recently used cached KV blocks (`llmserve/prefix_hash.py`). A batch goes to the
+worker that already holds the longest run of its first item's leading blocks,
+provided that item fits there; otherwise to the one with the most free blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes
 from llmserve.v1 import queue_pb2
 
 # When a worker does not report max_running, sequence slots are not the limit.
@@ -30,6 +36,7 @@ class Capacity:
     free_seqs: int
     block_size: int
     total_blocks: int
+    cached_prefix: frozenset[int] = frozenset()   # chain hashes of recently used cached blocks
 
 
 @dataclass
@@ -59,6 +66,19 @@ def blocks_needed(item: queue_pb2.WorkItem, block_size: int, decode_reserve: flo
     context = len(item.prompt_token_ids) + len(item.generated_token_ids)
     decode = math.ceil(item.sampling.max_new_tokens * decode_reserve)
     return math.ceil((context + decode) / block_size)
+
+
+def cached_prefix_blocks(item: queue_pb2.WorkItem, cap: Capacity) -> int:
+    """How many leading full blocks of the item's context the worker says it has cached."""
+    if cap.block_size <= 0 or not cap.cached_prefix:
+        return 0
+    context = [*item.prompt_token_ids, *item.generated_token_ids][:DISPATCH_PREFIX_BLOCKS * cap.block_size]
+    run = 0
+    for block_hash in block_hashes(context, cap.block_size):
+        if block_hash not in cap.cached_prefix:
+            break
+        run += 1
+    return run
 
 
 class WorkerPool:
@@ -98,9 +118,19 @@ class WorkerPool:
                 if self.is_alive(wid, now_ms) and not w.heartbeat.draining]
         return sorted(caps, key=lambda c: (-c.free_blocks, -c.free_seqs, c.worker_id))
 
-    def best(self, now_ms: int) -> Capacity | None:
-        """The accepting worker with the most free capacity that can take at least one sequence."""
-        return next((c for c in self.accepting(now_ms) if c.free_seqs > 0 and c.free_blocks > 0), None)
+    def choose(self, head: queue_pb2.WorkItem | None, now_ms: int, decode_reserve: float) -> Capacity | None:
+        """The worker for a batch that starts with `head` (None: no preference), among those with
+        room for at least one sequence: one where `head` fits and the longest run of its leading
+        blocks is cached; ties (and no prefix anywhere) go to the most free blocks."""
+        open_workers = [c for c in self.accepting(now_ms) if c.free_seqs > 0 and c.free_blocks > 0]
+        if head is None or len(open_workers) < 2:
+            return next(iter(open_workers), None)
+
+        def score(cap: Capacity) -> int:
+            fits = blocks_needed(head, cap.block_size, decode_reserve) <= cap.free_blocks
+            return cached_prefix_blocks(head, cap) if fits else -1
+
+        return max(open_workers, key=score)   # the first of equals: most free blocks
 
     def reserve(self, worker_id: str, blocks: int, seqs: int, now_ms: int) -> None:
         self._workers[worker_id].add(_Reservation(now_ms, blocks, seqs))
@@ -109,4 +139,4 @@ class WorkerPool:
         hb = worker.heartbeat
         slots = hb.max_running - hb.running - hb.waiting if hb.max_running else _UNBOUNDED
         return Capacity(worker_id, hb.free_blocks - worker.reserved_blocks, slots - worker.reserved_seqs,
-                        hb.block_size, hb.total_blocks)
+                        hb.block_size, hb.total_blocks, frozenset(hb.cached_prefix_hashes))

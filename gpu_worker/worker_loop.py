@@ -32,6 +32,7 @@ from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
 IDLE_BLOCK_MS = 200
+ADVERTISED_PREFIX_HASHES = 64  # in each heartbeat: about 8 hot prefixes of 8 blocks
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
@@ -223,7 +224,7 @@ class WorkerLoop:
             free_blocks=e.block_manager.num_free_blocks, total_blocks=e.config.num_blocks,
             generated_tokens=e.counters.generated_tokens, preemptions=preemptions,
             prefix_hit_rate=e.block_manager.stats.hit_rate,
-            cached_prefix_hashes=tuple(e.block_manager.cached_hashes(32)),
+            cached_prefix_hashes=tuple(e.block_manager.cached_hashes(ADVERTISED_PREFIX_HASHES)),
         )
         metrics.RUNNING.set(self.snapshot.running)
         metrics.WAITING.set(self.snapshot.waiting)

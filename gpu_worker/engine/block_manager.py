@@ -12,7 +12,7 @@ Block states:
                      (ref_count 0, hash kept: its KV can still be reused)
 
 Automatic prefix caching: once a full block's KV is computed it is registered under its
-chain hash (`prefix_hash.py`); a later sequence whose context starts with the same blocks
+chain hash (`llmserve/prefix_hash.py`); a later sequence whose context starts with the same blocks
 takes them instead of recomputing. Unreferenced cached blocks are evicted least recently
 used first, and a sequence frees its blocks tail-first so its tail is evicted before its head.
 """
@@ -22,7 +22,9 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from gpu_worker.engine.prefix_hash import ROOT_HASH, block_hashes
+from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes
+
+_RECENTLY_USED_KEPT = 4096  # hashes remembered for `cached_hashes`
 from gpu_worker.engine.sequence import Sequence
 
 
@@ -77,6 +79,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()   # oldest first
         self._hash_to_block: dict[int, int] = {}
+        self._recently_used: OrderedDict[int, None] = OrderedDict()   # block hashes, least recent first
         self._tables: dict[int, list[int]] = {}
         self._hashes: dict[int, list[int]] = {}    # chain hashes of each sequence's computed full blocks
         self.stats = PrefixCacheStats()
@@ -101,13 +104,24 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def cached_hashes(self, limit: int) -> list[int]:
-        """Hashes of cached blocks, most recently registered first."""
+        """Hashes of cached leading blocks (the first DISPATCH_PREFIX_BLOCKS of a context), most
+        recently registered or hit first: what the heartbeat advertises for prefix-aware dispatch.
+        A prefix's first block is the most recent of its run, so a hot shared prefix stays listed."""
         out: list[int] = []
-        for block_hash in reversed(self._hash_to_block):
+        for block_hash in reversed(self._recently_used):
             if len(out) == limit:
                 break
-            out.append(block_hash)
+            if block_hash in self._hash_to_block:
+                out.append(block_hash)
         return out
+
+    def _touch(self, chain: list[int]) -> None:
+        """Mark the leading blocks of a context's hash chain as just used."""
+        for block_hash in reversed(chain[:DISPATCH_PREFIX_BLOCKS]):
+            self._recently_used[block_hash] = None
+            self._recently_used.move_to_end(block_hash)
+        while len(self._recently_used) > _RECENTLY_USED_KEPT:
+            self._recently_used.popitem(last=False)
 
     # --- admission -------------------------------------------------------------------------
     def _prefix_hits(self, seq: Sequence) -> tuple[list[int], list[int]]:
@@ -141,6 +155,7 @@ class BlockManager:
         hits, hashes = self._prefix_hits(seq)
         for block_id in hits:
             self._acquire(block_id)
+        self._touch(hashes)
         fresh = [self._take_free() for _ in range(self.blocks_needed(seq.num_tokens) - len(hits))]
         self._tables[seq.seq_id] = [*hits, *fresh]
         self._hashes[seq.seq_id] = hashes
@@ -195,12 +210,15 @@ class BlockManager:
         table = self._tables[seq.seq_id]
         parent = hashes[-1] if hashes else ROOT_HASH
         tokens = seq.token_ids[:seq.num_computed_tokens]
+        known = len(hashes)
         for block_hash in block_hashes(tokens, self.block_size, start=len(hashes), parent=parent):
             block = self.blocks[table[len(hashes)]]
             if block_hash not in self._hash_to_block and block.block_hash is None:
                 block.block_hash = block_hash
                 self._hash_to_block[block_hash] = block.block_id
             hashes.append(block_hash)
+        if known < min(len(hashes), DISPATCH_PREFIX_BLOCKS):
+            self._touch(hashes)
 
     # --- release ---------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:

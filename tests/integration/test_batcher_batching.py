@@ -15,6 +15,7 @@ from batcher import harness as h
 from batcher.config import BatcherSettings
 from batcher.service import BatcherService
 from llmserve import keys
+from llmserve.prefix_hash import block_hashes
 from llmserve.v1 import inference_pb2
 
 pytestmark = pytest.mark.timeout(60)
@@ -196,6 +197,18 @@ async def test_prefers_worker_with_most_free_blocks(start_batcher, clean_redis):
     batches = await collect(clean_redis, "big", 4)
     assert ids(batches) == [["r0", "r1", "r2", "r3"]]
     assert h.peek_inbox(clean_redis, "small") == []
+
+
+async def test_batch_goes_to_the_worker_with_its_prefix_cached(start_batcher, clean_redis):
+    shared = h.make_item("shared", prompt_len=40)          # blocks 1-16 and 17-32 are full
+    h.heartbeat(clean_redis, "roomy", free_blocks=1000)
+    h.heartbeat(clean_redis, "warm", free_blocks=100,
+                cached_prefix_hashes=block_hashes(list(shared.prompt_token_ids), 16))
+    await start_batcher(max_batch=4, max_wait_ms=10.0)
+    h.enqueue(clean_redis, shared)
+    assert ids(await collect(clean_redis, "warm", 1)) == [["shared"]]
+    h.enqueue(clean_redis, h.make_item("other", prompt_len=3))    # no full block: most room wins
+    assert ids(await collect(clean_redis, "roomy", 1)) == [["other"]]
 
 
 async def test_request_larger_than_any_worker_fails(start_batcher, clean_redis):

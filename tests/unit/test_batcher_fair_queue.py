@@ -84,3 +84,14 @@ def test_oldest_read_at_across_classes():
     assert q.oldest_read_at() is None
     q.extend([make_held("x", priority=LOW, read_at=5.0), make_held("y", priority=HIGH, read_at=7.0)])
     assert q.oldest_read_at() == 5.0
+
+
+def test_peek_is_what_the_next_batch_starts_with():
+    q = FairQueue()
+    assert q.peek() is None
+    q.extend([make_held("n0", "a"), make_held("n1", "b"), make_held("l0", "c", priority=LOW)])
+    assert q.peek().request_id == "n0"
+    q.push(make_held("h0", "d", priority=HIGH))
+    assert q.peek().request_id == "h0"
+    assert take_ids(q, 2) == ["h0", "n0"]
+    assert q.peek().request_id == "n1"   # tenant a served: b is next in the rotation

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from batcher.workers import WorkerPool, blocks_needed
+from batcher.workers import WorkerPool, blocks_needed, cached_prefix_blocks
+from llmserve.prefix_hash import block_hashes
 from llmserve.v1 import queue_pb2
 
 
 def hb(worker_id: str, sent: int, free: int = 100, running: int = 0, max_running: int = 8,
-       draining: bool = False, block_size: int = 16) -> queue_pb2.WorkerHeartbeat:
+       draining: bool = False, block_size: int = 16, cached: list[int] = ()) -> queue_pb2.WorkerHeartbeat:
     return queue_pb2.WorkerHeartbeat(worker_id=worker_id, free_blocks=free, total_blocks=free,
                                      block_size=block_size, running=running, max_running=max_running,
-                                     draining=draining, sent_unix_ms=sent)
+                                     draining=draining, sent_unix_ms=sent, cached_prefix_hashes=cached)
 
 
 def test_blocks_needed_counts_prompt_generated_and_reserved_decode():
@@ -35,23 +36,51 @@ def test_most_free_blocks_first_and_full_workers_skipped():
     pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
     pool.update({"a": hb("a", 100, free=50), "b": hb("b", 100, free=80, running=8), "c": hb("c", 100, free=60)})
     assert [c.worker_id for c in pool.accepting(100)] == ["b", "c", "a"]
-    assert pool.best(100).worker_id == "c"  # b has no sequence slot left
+    assert pool.choose(None, 100, 0.0).worker_id == "c"  # b has no sequence slot left
 
 
 def test_reservations_hold_until_a_newer_heartbeat_beyond_grace():
     pool = WorkerPool(heartbeat_ttl_ms=10_000, grace_ms=100)
     pool.update({"w": hb("w", sent=1000, free=100, max_running=10)})
     pool.reserve("w", blocks=30, seqs=3, now_ms=1050)
-    cap = pool.best(1060)
+    cap = pool.choose(None, 1060, 0.0)
     assert (cap.free_blocks, cap.free_seqs) == (70, 7)
     pool.update({"w": hb("w", sent=1100, free=100, max_running=10)})  # within grace: still reserved
-    assert pool.best(1110).free_blocks == 70
+    assert pool.choose(None, 1110, 0.0).free_blocks == 70
     pool.update({"w": hb("w", sent=1200, free=75, running=3, max_running=10)})  # the worker counts them now
-    cap = pool.best(1210)
+    cap = pool.choose(None, 1210, 0.0)
     assert (cap.free_blocks, cap.free_seqs) == (75, 7)
 
 
 def test_unreported_max_running_does_not_limit_sequences():
     pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
     pool.update({"w": hb("w", sent=100, max_running=0)})
-    assert pool.best(100).free_seqs > 10**6
+    assert pool.choose(None, 100, 0.0).free_seqs > 10**6
+
+
+SYSTEM = list(range(1000, 1040))   # a shared 40-token system prompt: 2 full blocks of 16
+
+
+def chat_item(user: list[int], max_new: int = 16) -> queue_pb2.WorkItem:
+    return queue_pb2.WorkItem(prompt_token_ids=SYSTEM + user, sampling=queue_pb2.ResolvedSampling(max_new_tokens=max_new))
+
+
+def test_cached_prefix_blocks_counts_the_leading_run_only():
+    h = block_hashes(SYSTEM + [1] * 24, 16)                      # 4 blocks
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"w": hb("w", 100, cached=[h[0], h[1], h[3]])})  # block 2 evicted: the run stops there
+    [cap] = pool.accepting(100)
+    assert cached_prefix_blocks(chat_item([1] * 24), cap) == 2
+    assert cached_prefix_blocks(chat_item([2] * 24), cap) == 2   # same system prompt, other user text
+    assert cached_prefix_blocks(queue_pb2.WorkItem(prompt_token_ids=[5] * 64), cap) == 0
+
+
+def test_batch_goes_where_its_prefix_is_cached_if_it_fits():
+    h = block_hashes(SYSTEM, 16)
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"roomy": hb("roomy", 100, free=500), "warm": hb("warm", 100, free=50, cached=h),
+                 "half": hb("half", 100, free=400, cached=h[:1])})
+    assert pool.choose(chat_item([7, 8, 9]), 100, 1.0).worker_id == "warm"
+    assert pool.choose(queue_pb2.WorkItem(prompt_token_ids=[3] * 40), 100, 1.0).worker_id == "roomy"
+    # too big for the warm worker's free blocks: the longest run among those it fits
+    assert pool.choose(chat_item([7] * 900), 100, 0.0).worker_id == "half"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu_worker.engine.block_manager import BlockManager
-from gpu_worker.engine.prefix_hash import block_hashes, chain_hash
+from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes, chain_hash
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 
 BS = 4
@@ -155,15 +155,38 @@ def test_preemption_free_then_reallocate_hits_own_blocks():
     assert alloc.num_cached_tokens == 8
 
 
-def test_cached_hashes_newest_first_and_match_chain():
+def test_cached_hashes_match_the_chain_first_block_first():
     m = make_manager()
     seq = make_seq(range(8))
     m.allocate(seq)
     computed(m, seq)
     h = block_hashes(list(range(8)), BS)
     assert h == [chain_hash(0, [0, 1, 2, 3]), chain_hash(h[0], [4, 5, 6, 7])]
-    assert m.cached_hashes(10) == [h[1], h[0]]
-    assert m.cached_hashes(1) == [h[1]]
+    assert m.cached_hashes(10) == [h[0], h[1]]
+    assert m.cached_hashes(1) == [h[0]]
+
+
+def test_only_leading_blocks_are_advertised():
+    m = make_manager(num_blocks=16)
+    seq = make_seq(range(4 * 12))                         # 12 full blocks
+    m.allocate(seq)
+    computed(m, seq)
+    assert m.cached_hashes(100) == block_hashes(list(range(4 * 12)), BS)[:DISPATCH_PREFIX_BLOCKS]
+
+
+def test_cached_hashes_put_a_prefix_hit_back_in_front():
+    m = make_manager()
+    shared = make_seq(range(8))
+    m.allocate(shared)
+    computed(m, shared)
+    other = make_seq(range(100, 108))
+    m.allocate(other)
+    computed(m, other)
+    h_shared, h_other = block_hashes(list(range(8)), BS), block_hashes(list(range(100, 108)), BS)
+    assert m.cached_hashes(2) == [h_other[0], h_other[1]]
+    again = make_seq([*range(8), 9])                     # hits both blocks of `shared`
+    m.allocate(again)
+    assert m.cached_hashes(3) == [h_shared[0], h_shared[1], h_other[0]]
 
 
 def test_duplicate_computation_keeps_first_block_registered():

@@ -14,6 +14,8 @@ import struct
 from collections.abc import Sequence
 
 ROOT_HASH = 0
+# Leading blocks of a context that prefix-aware dispatch compares; workers advertise only these.
+DISPATCH_PREFIX_BLOCKS = 8
 
 
 def chain_hash(parent: int, block_tokens: Sequence[int]) -> int:
