@@ -55,6 +55,26 @@ def stack(tmp_path_factory):
     running.close()
 
 
+@pytest.fixture
+def start_stack(tmp_path_factory):
+    """start_stack(workers=2, gateways=1, **StackConfig fields) -> a started Stack of its own (real
+    Valkey, real model on CPU), closed after the test."""
+    from llmserve.stack import Stack, StackConfig
+
+    stacks: list[Stack] = []
+
+    def start(**overrides) -> Stack:
+        config = StackConfig(**{"workers": 2, "device": "cpu", "port": 0, "tenants": TEST_TENANTS,
+                                "log_dir": tmp_path_factory.mktemp("own-stack"), **overrides})
+        stack = Stack(config)
+        stacks.append(stack)
+        return stack.start()
+
+    yield start
+    for stack in stacks:
+        stack.close()
+
+
 DEV_API_KEY = "dev-key"
 
 

@@ -1,34 +1,12 @@
-"""Fault tests: each test gets a whole stack of its own (real Valkey, real model on CPU, short outputs)."""
+"""Fault tests: each test gets a whole stack of its own (`start_stack`: real Valkey, real model on CPU)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import redis
 
 from llmserve import keys
-from llmserve.stack import Stack, StackConfig
-
-TENANTS = Path(__file__).resolve().parents[1] / "data" / "tenants.test.yaml"
-API_KEY = "dev-key"
-
-
-@pytest.fixture
-def start_stack(tmp_path_factory):
-    """start_stack(workers=2, gateways=1, **StackConfig fields) -> a started Stack, closed after the test."""
-    stacks: list[Stack] = []
-
-    def start(**overrides) -> Stack:
-        config = StackConfig(**{"workers": 2, "device": "cpu", "port": 0, "tenants": TENANTS,
-                                "log_dir": tmp_path_factory.mktemp("fault-stack"), **overrides})
-        stack = Stack(config)
-        stacks.append(stack)
-        return stack.start()
-
-    yield start
-    for stack in stacks:
-        stack.close()
+from llmserve.stack import Stack
 
 
 @pytest.fixture
