@@ -14,7 +14,8 @@ same free space within one heartbeat interval.
 Prefix-aware choice: a heartbeat also lists the chain hashes of the worker's most
 recently used cached KV blocks (`llmserve/prefix_hash.py`). A batch goes to the
 worker that already holds the longest run of its first item's leading blocks,
-provided that item fits there; otherwise to the one with the most free blocks.
+provided that item fits there and the worker is not much busier than the others;
+otherwise to the one with the most free blocks.
 """
 
 from __future__ import annotations
@@ -120,15 +121,19 @@ class WorkerPool:
 
     def choose(self, head: queue_pb2.WorkItem | None, now_ms: int, decode_reserve: float) -> Capacity | None:
         """The worker for a batch that starts with `head` (None: no preference), among those with
-        room for at least one sequence: one where `head` fits and the longest run of its leading
-        blocks is cached; ties (and no prefix anywhere) go to the most free blocks."""
+        room for at least one sequence: one where `head` fits, that has at least half the free
+        sequence slots of the least busy worker (so a hot prefix does not pile work onto one
+        worker), and that caches the longest run of `head`'s leading blocks; ties (and no prefix
+        anywhere) go to the most free blocks."""
         open_workers = [c for c in self.accepting(now_ms) if c.free_seqs > 0 and c.free_blocks > 0]
         if head is None or len(open_workers) < 2:
             return next(iter(open_workers), None)
+        most_slots = max(c.free_seqs for c in open_workers)
 
         def score(cap: Capacity) -> int:
-            fits = blocks_needed(head, cap.block_size, decode_reserve) <= cap.free_blocks
-            return cached_prefix_blocks(head, cap) if fits else -1
+            if 2 * cap.free_seqs < most_slots or blocks_needed(head, cap.block_size, decode_reserve) > cap.free_blocks:
+                return 0
+            return cached_prefix_blocks(head, cap)
 
         return max(open_workers, key=score)   # the first of equals: most free blocks
 

@@ -84,3 +84,14 @@ def test_batch_goes_where_its_prefix_is_cached_if_it_fits():
     assert pool.choose(queue_pb2.WorkItem(prompt_token_ids=[3] * 40), 100, 1.0).worker_id == "roomy"
     # too big for the warm worker's free blocks: the longest run among those it fits
     assert pool.choose(chat_item([7] * 900), 100, 0.0).worker_id == "half"
+
+
+def test_a_much_busier_worker_loses_its_prefix_preference():
+    h = block_hashes(SYSTEM, 16)
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"warm": hb("warm", 100, free=300, running=28, max_running=32, cached=h),
+                 "idle": hb("idle", 100, free=400, max_running=32)})
+    assert pool.choose(chat_item([7]), 100, 1.0).worker_id == "idle"     # 4 free slots against 32
+    pool.update({"warm": hb("warm", 100, free=300, running=12, max_running=32, cached=h),
+                 "idle": hb("idle", 100, free=400, max_running=32)})
+    assert pool.choose(chat_item([7]), 100, 1.0).worker_id == "warm"     # 20 against 32: close enough
