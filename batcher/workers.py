@@ -69,13 +69,18 @@ def blocks_needed(item: queue_pb2.WorkItem, block_size: int, decode_reserve: flo
     return math.ceil((context + decode) / block_size)
 
 
-def cached_prefix_blocks(item: queue_pb2.WorkItem, cap: Capacity) -> int:
-    """How many leading full blocks of the item's context the worker says it has cached."""
-    if cap.block_size <= 0 or not cap.cached_prefix:
-        return 0
-    context = [*item.prompt_token_ids, *item.generated_token_ids][:DISPATCH_PREFIX_BLOCKS * cap.block_size]
+def leading_hashes(item: queue_pb2.WorkItem, block_size: int) -> list[int]:
+    """Chain hashes of the item's first DISPATCH_PREFIX_BLOCKS full blocks (prompt, then generated)."""
+    if block_size <= 0:
+        return []
+    context = [*item.prompt_token_ids, *item.generated_token_ids][:DISPATCH_PREFIX_BLOCKS * block_size]
+    return block_hashes(context, block_size)
+
+
+def cached_run(hashes: list[int], cap: Capacity) -> int:
+    """How many of these leading block hashes, from the first on, the worker says it has cached."""
     run = 0
-    for block_hash in block_hashes(context, cap.block_size):
+    for block_hash in hashes:
         if block_hash not in cap.cached_prefix:
             break
         run += 1
@@ -129,11 +134,15 @@ class WorkerPool:
         if head is None or len(open_workers) < 2:
             return next(iter(open_workers), None)
         most_slots = max(c.free_seqs for c in open_workers)
+        hashes: dict[int, list[int]] = {}   # by block size: computed once, not once per worker
 
         def score(cap: Capacity) -> int:
-            if 2 * cap.free_seqs < most_slots or blocks_needed(head, cap.block_size, decode_reserve) > cap.free_blocks:
+            if not cap.cached_prefix or 2 * cap.free_seqs < most_slots or \
+                    blocks_needed(head, cap.block_size, decode_reserve) > cap.free_blocks:
                 return 0
-            return cached_prefix_blocks(head, cap)
+            if cap.block_size not in hashes:
+                hashes[cap.block_size] = leading_hashes(head, cap.block_size)
+            return cached_run(hashes[cap.block_size], cap)
 
         return max(open_workers, key=score)   # the first of equals: most free blocks
 

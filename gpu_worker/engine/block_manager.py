@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from gpu_worker.engine.sequence import Sequence
 from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes
 
 _RECENTLY_USED_KEPT = 4096  # hashes remembered for `cached_hashes`
-from gpu_worker.engine.sequence import Sequence
 
 
 @dataclass

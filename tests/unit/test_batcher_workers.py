@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batcher.workers import WorkerPool, blocks_needed, cached_prefix_blocks
+from batcher.workers import WorkerPool, blocks_needed, cached_run, leading_hashes
 from llmserve.prefix_hash import block_hashes
 from llmserve.v1 import queue_pb2
 
@@ -65,14 +65,14 @@ def chat_item(user: list[int], max_new: int = 16) -> queue_pb2.WorkItem:
     return queue_pb2.WorkItem(prompt_token_ids=SYSTEM + user, sampling=queue_pb2.ResolvedSampling(max_new_tokens=max_new))
 
 
-def test_cached_prefix_blocks_counts_the_leading_run_only():
+def test_cached_run_counts_the_leading_run_only():
     h = block_hashes(SYSTEM + [1] * 24, 16)                      # 4 blocks
     pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
     pool.update({"w": hb("w", 100, cached=[h[0], h[1], h[3]])})  # block 2 evicted: the run stops there
     [cap] = pool.accepting(100)
-    assert cached_prefix_blocks(chat_item([1] * 24), cap) == 2
-    assert cached_prefix_blocks(chat_item([2] * 24), cap) == 2   # same system prompt, other user text
-    assert cached_prefix_blocks(queue_pb2.WorkItem(prompt_token_ids=[5] * 64), cap) == 0
+    assert cached_run(leading_hashes(chat_item([1] * 24), 16), cap) == 2
+    assert cached_run(leading_hashes(chat_item([2] * 24), 16), cap) == 2   # same system prompt, other user text
+    assert cached_run(leading_hashes(queue_pb2.WorkItem(prompt_token_ids=[5] * 64), 16), cap) == 0
 
 
 def test_batch_goes_where_its_prefix_is_cached_if_it_fits():
