@@ -11,8 +11,10 @@ from llmserve.loadgen.soak import open_fds, rss_bytes, stream_lengths, take_samp
 
 
 def test_sample_counts_request_keys_and_missing_ttls(clean_redis):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout.readline() == "up\n"   # the interpreter is loaded: its RSS is real, not mid-exec
         stack = {"svc": SimpleNamespace(alive=lambda: True, process=child)}
         clean_redis.set("llmserve:{r:acme:a}:meta", "x", ex=60)
         clean_redis.xadd("llmserve:{r:acme:a}:events", {"e": "1"})          # no TTL: a leak
