@@ -70,11 +70,12 @@ def blocks_needed(item: queue_pb2.WorkItem, block_size: int, decode_reserve: flo
 
 
 def leading_hashes(item: queue_pb2.WorkItem, block_size: int) -> list[int]:
-    """Chain hashes of the item's first DISPATCH_PREFIX_BLOCKS full blocks (prompt, then generated)."""
+    """Chain hashes of the item's first DISPATCH_PREFIX_BLOCKS full blocks (prompt, then generated),
+    under the item's cache salt, as its worker's block manager will hash them."""
     if block_size <= 0:
         return []
     context = [*item.prompt_token_ids, *item.generated_token_ids][:DISPATCH_PREFIX_BLOCKS * block_size]
-    return block_hashes(context, block_size)
+    return block_hashes(context, block_size, item.cache_salt)
 
 
 def cached_run(hashes: list[int], cap: Capacity) -> int:

@@ -10,6 +10,13 @@
         max_new_tokens: 512
         priority: normal
         models: ["*"]
+        cache_group: ""          # optional: tenants of one group share prefix-cache hits
+
+Prefix-cache isolation: every work item carries the tenant's `cache_salt`, which
+enters the KV block hash chain. Without a cache_group each tenant has a salt of its
+own, so no tenant can hit (and, through `usage.cached_prompt_tokens` or timing,
+detect) blocks another tenant computed; tenants naming the same cache_group share
+one salt, hence each other's cached prompts.
 
 `TenantRegistry.reload()` swaps the whole table at once (SIGHUP); requests in
 flight keep the `Tenant` they were admitted with.
@@ -48,6 +55,12 @@ class Tenant:
     max_new_tokens: int
     priority: int
     models: tuple[str, ...]
+    cache_group: str = ""
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of this tenant's requests: its cache_group's, else its own."""
+        return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.id}"
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
@@ -88,7 +101,15 @@ def parse_tenant(raw: dict) -> Tenant:
         max_new_tokens=_positive(raw, "max_new_tokens", tenant_id),
         priority=PRIORITIES[priority],
         models=tuple(str(m) for m in raw.get("models") or ["*"]),
+        cache_group=_cache_group(raw, tenant_id),
     )
+
+
+def _cache_group(raw: dict, tenant_id: str) -> str:
+    group = raw.get("cache_group") or ""
+    if not isinstance(group, str):
+        raise TenantsError(f"tenant {tenant_id}: cache_group must be a string")
+    return group
 
 
 def parse_tenants(text: str) -> dict[str, Tenant]:

@@ -13,7 +13,7 @@ Block states:
 
 Automatic prefix caching: once a full block's KV is computed it is registered under its
 chain hash (`llmserve/prefix_hash.py`); a later sequence whose context starts with the same blocks
-takes them instead of recomputing. Unreferenced cached blocks are evicted least recently
+under the same cache salt (tenant or cache_group) takes them instead of recomputing. Unreferenced cached blocks are evicted least recently
 used first, and a sequence frees its blocks tail-first so its tail is evicted before its head.
 """
 
@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from gpu_worker.engine.sequence import Sequence
-from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes
+from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes, root_hash
 
 _RECENTLY_USED_KEPT = 4096  # hashes remembered for `cached_hashes`
 
@@ -133,7 +133,7 @@ class BlockManager:
             return [], []
         usable = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        hashes = block_hashes(seq.token_ids[:usable * self.block_size], self.block_size)
+        hashes = block_hashes(seq.token_ids[:usable * self.block_size], self.block_size, seq.cache_salt)
         for block_hash in hashes:
             block_id = self._hash_to_block.get(block_hash)
             if block_id is None:
@@ -208,7 +208,7 @@ class BlockManager:
             return
         hashes = self._hashes[seq.seq_id]
         table = self._tables[seq.seq_id]
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(seq.cache_salt)
         tokens = seq.token_ids[:seq.num_computed_tokens]
         known = len(hashes)
         for block_hash in block_hashes(tokens, self.block_size, start=len(hashes), parent=parent):

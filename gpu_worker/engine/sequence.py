@@ -60,12 +60,14 @@ class Sequence:
         params: sampling parameters.
         prior_output_ids: tokens already generated (handoff); they count toward max_new_tokens.
         request_id: caller's id, carried through for events.
+        cache_salt: prefix-cache salt (the work item's); blocks are shared only under the same salt.
     """
 
     prompt_token_ids: list[int]
     params: SamplingParams
     prior_output_ids: list[int] = field(default_factory=list)
     request_id: str = ""
+    cache_salt: str = ""
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

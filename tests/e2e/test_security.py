@@ -1,7 +1,9 @@
-"""Security: tenant isolation of request ids, no secrets in logs, Redis password, gRPC TLS.
+"""Security, tried the way an attacker would: probing another tenant's prompts through the
+prefix cache, request-id isolation, no secrets in logs, Redis password, gRPC TLS.
 
 One stack of its own (tests/data/tenants.test.yaml, a password-protected Valkey,
-TLS on the gateway) serves every test here; the log check runs last.
+TLS on the gateway) serves every test here. The prefix-cache probes run first, on a
+worker whose cache counters nothing else has touched yet; the log check runs last.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve.stack import Stack, StackConfig
 from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import inference_pb2_grpc
+from llmserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from llmserve.valkey import ValkeyServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 TENANTS = Path(__file__).resolve().parents[1] / "data" / "tenants.test.yaml"
-KEYS = {"dev": "dev-key", "other": "other-key", "fuzz": "fuzz-key", "restricted": "restricted-key"}
+KEYS = {"dev": "dev-key", "other": "other-key", "fuzz": "fuzz-key", "restricted": "restricted-key",
+        "team-a": "team-a-key", "team-b": "team-b-key"}
 WRONG_KEY = "wrong-key-9f27c4d1e8"
 REDIS_PASSWORD = "redis-pw-5b0e7a13c4"
 LONG_PROMPT = [pb.ChatMessage(role="user", content="Count from 1 to 300, one number per line.")]
@@ -104,6 +107,51 @@ def rpc_code(fn, *args, **kwargs) -> grpc.StatusCode:
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
+
+
+# -- prefix cache: one tenant probing another's system prompt (keep first: exact worker counters) -------
+VICTIM_SYSTEM = pb.ChatMessage(role="system", content=(
+    "You are the internal assistant of Harbor Freight Analytics. Confidential: the merger with Blue Pier "
+    "Logistics closes on the fourteenth of March; never mention it. Quarterly revenue is 41 million. "
+    "Answer employees briefly and politely, in one sentence, and refuse questions about salaries."))
+
+
+def chat(system: pb.ChatMessage, question: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=[system, pb.ChatMessage(role="user", content=question)], sampling=greedy(2))
+
+
+def worker_hit_rate(secure) -> float:
+    with grpc.insecure_channel(secure.stack.services["gpu_worker-0"].target) as channel:
+        stats = worker_pb2_grpc.WorkerAdminStub(channel).Stats(worker_pb2.StatsRequest(), timeout=30)
+    return stats.prefix_cache_hit_rate
+
+
+def test_other_tenant_probing_a_system_prompt_sees_no_cache_hit(secure, inference):
+    victim = inference.Complete(chat(VICTIM_SYSTEM, "When does the office open?"), metadata=auth("dev"),
+                                timeout=120)
+    assert victim.usage.prompt_tokens >= 4 * 16 and victim.usage.cached_prompt_tokens == 0
+    assert worker_hit_rate(secure) == 0.0          # a fresh worker: nothing was ever served from cache
+    # The attacker sends the exact prompt it guesses (same system prompt, even the same question).
+    probe = inference.Complete(chat(VICTIM_SYSTEM, "When does the office open?"), metadata=auth("other"),
+                               timeout=120)
+    assert probe.usage.cached_prompt_tokens == 0
+    assert worker_hit_rate(secure) == 0.0          # computed afresh: not one prompt token was a hit
+    # Control: the victim's own second request does hit, so the probe above would have seen it.
+    again = inference.Complete(chat(VICTIM_SYSTEM, "Where is the printer?"), metadata=auth("dev"), timeout=120)
+    assert again.usage.cached_prompt_tokens >= 3 * 16
+    assert worker_hit_rate(secure) > 0.0
+
+
+def test_tenants_of_one_cache_group_share_hits(secure, inference):
+    system = pb.ChatMessage(role="system", content=VICTIM_SYSTEM.content.replace("Harbor", "Quay"))
+    first = inference.Complete(chat(system, "Who runs payroll?"), metadata=auth("team-a"), timeout=120)
+    assert first.usage.cached_prompt_tokens == 0
+    # team-b shares team-a's cache_group: its identical system prompt hits team-a's blocks ...
+    mate = inference.Complete(chat(system, "Who runs payroll?"), metadata=auth("team-b"), timeout=120)
+    assert mate.usage.cached_prompt_tokens >= 3 * 16
+    # ... but not the blocks of the dev tenant, which is in no group (another salt).
+    outsider = inference.Complete(chat(system, "Who runs payroll?"), metadata=auth("dev"), timeout=120)
+    assert outsider.usage.cached_prompt_tokens == 0
 
 
 # -- TLS and Redis password --------------------------------------------------------------------------

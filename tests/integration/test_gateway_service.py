@@ -216,6 +216,13 @@ async def test_resume_reattaches_without_requeueing_or_recharging(env):
     assert [i.request_id for i in env.worker.items].count("resume-1") == 2 and other[-1].finish_reason
 
 
+async def test_work_items_carry_a_prefix_cache_salt_per_tenant(env):
+    await env.stub.Complete(req("salt-1"), metadata=ACME, timeout=30)
+    await env.stub.Complete(req("salt-1"), metadata=OTHER, timeout=30)
+    salts = {i.tenant: i.cache_salt for i in env.worker.items if i.request_id == "salt-1"}
+    assert salts == {"acme": "tenant:acme", "other": "tenant:other"}
+
+
 async def test_cancel_rpc_own_tenant_only(env):
     call = env.stub.Generate(req("slow-cancel"), metadata=ACME, timeout=60)
     first = await call.read()

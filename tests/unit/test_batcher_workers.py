@@ -75,6 +75,22 @@ def test_cached_run_counts_the_leading_run_only():
     assert cached_run(leading_hashes(queue_pb2.WorkItem(prompt_token_ids=[5] * 64), 16), cap) == 0
 
 
+def test_dispatch_hashes_under_the_items_cache_salt():
+    """A worker caching tenant A's system prompt is no prefix match for tenant B's identical one."""
+    def salted(salt: str) -> queue_pb2.WorkItem:
+        item = chat_item([7, 8, 9])
+        item.cache_salt = salt
+        return item
+
+    h = block_hashes(SYSTEM, 16, "tenant:a")
+    assert leading_hashes(salted("tenant:a"), 16) == h
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"roomy": hb("roomy", 100, free=500), "warm": hb("warm", 100, free=50, cached=h)})
+    assert pool.choose(salted("tenant:a"), 100, 1.0).worker_id == "warm"
+    assert pool.choose(salted("tenant:b"), 100, 1.0).worker_id == "roomy"
+    assert pool.choose(salted(""), 100, 1.0).worker_id == "roomy"
+
+
 def test_batch_goes_where_its_prefix_is_cached_if_it_fits():
     h = block_hashes(SYSTEM, 16)
     pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from gpu_worker.engine.block_manager import BlockManager
-from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes, chain_hash
+from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes, chain_hash, root_hash
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 
 BS = 4
 
 
-def make_seq(tokens: list[int]) -> Sequence:
-    return Sequence(list(tokens), SamplingParams(temperature=0.0))
+def make_seq(tokens: list[int], salt: str = "") -> Sequence:
+    return Sequence(list(tokens), SamplingParams(temperature=0.0), cache_salt=salt)
 
 
 def make_manager(num_blocks: int = 8, caching: bool = True) -> BlockManager:
@@ -200,3 +200,45 @@ def test_duplicate_computation_keeps_first_block_registered():
     assert m.num_free_blocks == 6
     assert m.blocks[2].block_hash is None  # b's copy is plain free, a's block 0 is the cached one
     assert m.allocate(make_seq([0, 1, 2, 3, 9])).block_ids == [0, 4]
+
+
+# -- cache salt: tenants (cache groups) never share blocks ------------------------------------------------
+def test_same_tokens_under_another_salt_miss_and_are_computed_afresh():
+    m = make_manager()
+    victim = make_seq(range(9), salt="tenant:victim")
+    m.allocate(victim)
+    computed(m, victim)
+    m.free(victim)
+    probe = m.allocate(make_seq(range(9), salt="tenant:attacker"))
+    assert probe.num_cached_tokens == 0
+    assert probe.block_ids == [3, 4, 5]     # fresh blocks, not the victim's cached [0, 1]
+    assert m.stats.hit_tokens == 0
+    mate = m.allocate(make_seq(range(9), salt="tenant:victim"))
+    assert mate.num_cached_tokens == 8 and mate.block_ids[:2] == [0, 1]
+
+
+def test_salted_chain_differs_from_block_zero_on_and_is_advertised_salted():
+    m = make_manager()
+    seq = make_seq(range(8), salt="group:acme")
+    m.allocate(seq)
+    computed(m, seq)
+    salted, plain = block_hashes(list(range(8)), BS, "group:acme"), block_hashes(list(range(8)), BS)
+    assert salted[0] == chain_hash(root_hash("group:acme"), [0, 1, 2, 3]) != plain[0]
+    assert salted[1] != plain[1]
+    assert m.cached_hashes(10) == salted
+    assert root_hash("") == ROOT_HASH and root_hash("group:a") != root_hash("group:b")
+
+
+def test_blocks_cached_after_admission_continue_the_salted_chain():
+    m = make_manager()
+    seq = make_seq(range(3), salt="tenant:t")      # no full block at admission: the chain starts later
+    m.allocate(seq)
+    for token in range(3, 8):
+        seq.append_token(token)
+        if m.can_append(seq):
+            m.append_slot(seq)
+    computed(m, seq)
+    m.free(seq)
+    again = m.allocate(make_seq(range(9), salt="tenant:t"))
+    assert again.num_cached_tokens == 8
+    assert m.allocate(make_seq(range(9))).num_cached_tokens == 0

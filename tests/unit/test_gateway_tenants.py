@@ -50,6 +50,7 @@ def test_reload_swaps_table_and_keeps_it_on_error(tmp_path):
 @pytest.mark.parametrize("bad", [
     DOC.replace("sha256:", "plain:"), DOC.replace("burst: 10", "burst: 0"), DOC.replace("priority: high", "priority: x"),
     DOC + DOC.split("tenants:")[1], DOC.replace("id: acme", "id: 'a{b}'"),
+    DOC + "    cache_group: [a, b]\n",
 ])
 def test_bad_files_rejected(bad):
     with pytest.raises(TenantsError):
@@ -60,3 +61,20 @@ def test_dev_tenants_file_has_dev_key():
     from pathlib import Path
     reg = TenantRegistry(Path(__file__).parents[2] / "deploy" / "tenants.dev.yaml").load()
     assert reg.authenticate({"authorization": "Bearer dev-key"}).id == "dev"
+
+
+
+def tenant_entry(tenant_id: str, cache_group: str = "") -> str:
+    group = f"    cache_group: {cache_group}\n" if cache_group else ""
+    return (f"  - id: {tenant_id}\n    api_keys: [\"sha256:{hash_key(tenant_id)}\"]\n    requests_per_second: 1\n"
+            f"    burst: 1\n    tokens_per_minute: 100\n    max_concurrent: 1\n    max_new_tokens: 8\n{group}")
+
+
+def test_cache_salt_is_per_tenant_unless_tenants_share_a_cache_group():
+    doc = "tenants:\n" + "".join(tenant_entry(t, g) for t, g in
+                                  (("solo", ""), ("twin", ""), ("red", "team"), ("blue", "team")))
+    salts = {t.id: t.cache_salt for t in parse_tenants(doc).values()}
+    assert salts == {"solo": "tenant:solo", "twin": "tenant:twin", "red": "group:team", "blue": "group:team"}
+    # a group named like a tenant does not share that tenant's cache
+    lookalike = {t.id: t.cache_salt for t in parse_tenants(doc.replace("team", "solo")).values()}
+    assert lookalike["red"] == "group:solo" != lookalike["solo"]
