@@ -142,7 +142,8 @@ class Flow:
         arrival = now_ms()
         model = self.model_for(call, request)
         validate_request(request, self.limits)
-        prompt_ids = await self.catalog.encode(model.id, request.prompt, request.messages, call.deadline)
+        prompt_ids = await self.catalog.encode(model.id, request.prompt, request.messages, call.deadline,
+                                               call.tenant.raw_special_tokens)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.context_length,
                                     call.tenant.max_new_tokens, self.limits)
         sampling.stop_token_ids.extend(model.eos_token_ids)

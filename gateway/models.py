@@ -68,9 +68,12 @@ class ModelCatalog:
             raise Unavailable(f"model {model_id} is not ready (tokenizer_svc not reached yet)")
         return info
 
-    async def encode(self, model_id: str, text: str, messages, deadline: float | None) -> list[int]:
-        """Token ids of text or chat messages (template applied with the generation prompt)."""
-        request = tokenizer_pb2.EncodeRequest(model=model_id, text=text, messages=messages)
+    async def encode(self, model_id: str, text: str, messages, deadline: float | None,
+                     allow_special_tokens: bool = False) -> list[int]:
+        """Token ids of text or chat messages (template applied with the generation prompt). Special
+        tokens spelled in the input are plain text, except in `text` when `allow_special_tokens`."""
+        request = tokenizer_pb2.EncodeRequest(model=model_id, text=text, messages=messages,
+                                              allow_special_tokens=allow_special_tokens)
         deadline = min(deadline, time.monotonic() + self.timeout_s * 3) if deadline else \
             time.monotonic() + self.timeout_s * 3
         async for attempt in retrying(deadline=deadline):

@@ -190,7 +190,8 @@ class InferenceService:
     async def _tokenize(self, call: Call, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         model = self.flow.model_for(call, request)
         check_input(request.text, request.messages, self.flow.limits, prompt_field="text")
-        ids = await self.catalog.encode(model.id, request.text, request.messages, call.deadline)
+        ids = await self.catalog.encode(model.id, request.text, request.messages, call.deadline,
+                                        call.tenant.raw_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
 
     async def _list_models(self, call: Call, request: pb.ListModelsRequest) -> pb.ListModelsResponse:

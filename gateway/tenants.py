@@ -11,12 +11,17 @@
         priority: normal
         models: ["*"]
         cache_group: ""          # optional: tenants of one group share prefix-cache hits
+        raw_special_tokens: false   # optional: special tokens spelled in `prompt` act as control tokens
 
 Prefix-cache isolation: every work item carries the tenant's `cache_salt`, which
 enters the KV block hash chain. Without a cache_group each tenant has a salt of its
 own, so no tenant can hit (and, through `usage.cached_prompt_tokens` or timing,
 detect) blocks another tenant computed; tenants naming the same cache_group share
 one salt, hence each other's cached prompts.
+
+Special tokens spelled in chat messages are always encoded as text; in a raw
+`prompt` too, unless the tenant has `raw_special_tokens: true` (a tenant that
+builds its own prompts with the model's control tokens).
 
 `TenantRegistry.reload()` swaps the whole table at once (SIGHUP); requests in
 flight keep the `Tenant` they were admitted with.
@@ -56,6 +61,7 @@ class Tenant:
     priority: int
     models: tuple[str, ...]
     cache_group: str = ""
+    raw_special_tokens: bool = False
 
     @property
     def cache_salt(self) -> str:
@@ -102,7 +108,15 @@ def parse_tenant(raw: dict) -> Tenant:
         priority=PRIORITIES[priority],
         models=tuple(str(m) for m in raw.get("models") or ["*"]),
         cache_group=_cache_group(raw, tenant_id),
+        raw_special_tokens=_flag(raw, "raw_special_tokens", tenant_id),
     )
+
+
+def _flag(raw: dict, name: str, tenant_id: str) -> bool:
+    value = raw.get(name, False)
+    if not isinstance(value, bool):
+        raise TenantsError(f"tenant {tenant_id}: {name} must be true or false")
+    return value
 
 
 def _cache_group(raw: dict, tenant_id: str) -> str:

@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from tokenizer_svc import chat_template
 from tokenizer_svc.gguf_vocab import build_tokenizer, read_vocab
+from tokenizer_svc.literal import LiteralSpecials, encode_ids
 
 DEFAULT_CONTEXT_LENGTH = 2048
-GIL_FREE_CHARS = 2048  # above this, encode without holding the GIL (costs ~30 us more on tiny inputs)
 
 
 @dataclass
@@ -36,15 +37,21 @@ class ModelTokenizer:
     eos_token_ids: list[int] = field(default_factory=list)
     context_length: int = DEFAULT_CONTEXT_LENGTH
     extra_special_tokens: dict[str, str] = field(default_factory=dict)  # unk_token, pad_token ... for templates
+    _literal: LiteralSpecials | None = field(default=None, init=False, repr=False, compare=False)
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognised (as in HF).
+    def encode(self, text: str, add_special_tokens: bool = False, special_tokens_as_text: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text are control tokens (as in HF)
+        unless `special_tokens_as_text`: then "<|im_start|>" is encoded as the characters it spells."""
+        if special_tokens_as_text:
+            return self.literal.encode_text(text, add_special_tokens)
+        return encode_ids(self.tokenizer, text, add_special_tokens)
 
-        Long texts go through `encode_batch_fast`, which releases the GIL (plain `encode` holds
-        it throughout) and skips offsets: other threads of the process run meanwhile."""
-        if len(text) > GIL_FREE_CHARS:
-            return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    @property
+    def literal(self) -> LiteralSpecials:
+        """The special tokens, and a second tokenizer that encodes them as text (built on first use)."""
+        if self._literal is None:
+            self._literal = LiteralSpecials(self.tokenizer)
+        return self._literal
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
@@ -55,10 +62,18 @@ class ModelTokenizer:
             raise chat_template.ChatTemplateError("model has no chat template")
         return chat_template.render(self.chat_template, messages, add_generation_prompt, self._template_vars())
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    encode_prompt: Callable[[str], list[int]] | None = None) -> list[int]:
         """Token ids of a conversation: the rendered template, encoded without adding special tokens
-        (the template writes them), as `apply_chat_template(tokenize=True)` does."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        (the template writes them), as `apply_chat_template(tokenize=True)` does, except that special
+        tokens written in roles and contents stay text (tokenizer_svc/literal.py).
+
+        Args:
+            encode_prompt: how to encode a rendered prompt none of whose messages spells a special
+                token (default: encode()); the pool passes its segment-caching encoder.
+        """
+        return self.literal.encode_chat(messages, lambda m: self.render_chat(m, add_generation_prompt),
+                                        encode_prompt or self.encode)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -75,7 +90,7 @@ class ModelTokenizer:
         return {**self.extra_special_tokens, "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
 
     def __reduce__(self):
-        state = {k: v for k, v in self.__dict__.items() if k != "tokenizer"}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("tokenizer", "_literal")}
         return (_rebuild, (self.to_json(), state))
 
 

@@ -75,14 +75,15 @@ class PoolProcess:
         return Result(task.job_id, value=value, cache_hits=segments.hits - hits, cache_misses=segments.misses - misses)
 
     def _encode(self, task: Task) -> array:
-        text, add_special_tokens = task.args
-        return array("I", self.models[task.model].encode(text, add_special_tokens=add_special_tokens))
+        text, add_special_tokens, allow_special_tokens = task.args
+        return array("I", self.models[task.model].encode(text, add_special_tokens=add_special_tokens,
+                                                         special_tokens_as_text=not allow_special_tokens))
 
     def _chat(self, task: Task) -> array:
         messages, add_generation_prompt = task.args
-        model = self.models[task.model]
-        prompt = model.render_chat([{"role": r, "content": c} for r, c in messages], add_generation_prompt)
-        return array("I", self.segments[task.model].encode(prompt))
+        conversation = [{"role": r, "content": c} for r, c in messages]
+        return array("I", self.models[task.model].encode_chat(conversation, add_generation_prompt,
+                                                              encode_prompt=self.segments[task.model].encode))
 
     def _decode(self, task: Task) -> str:
         ids, skip_special_tokens = task.args

@@ -19,8 +19,9 @@ from typing import Any
 HEADER = struct.Struct("!I")
 
 # Ops a pool process runs: name → (args).
-OP_ENCODE = "encode"   # (text: str, add_special_tokens: bool) → array('I')
+OP_ENCODE = "encode"   # (text: str, add_special_tokens: bool, allow_special_tokens: bool) → array('I')
 OP_CHAT = "chat"       # (messages: tuple[tuple[str, str], ...], add_generation_prompt: bool) → array('I')
+                       # special tokens spelled in messages (or, unless allowed, in text) stay text
 OP_DECODE = "decode"   # (ids: array('I'), skip_special_tokens: bool) → str
 
 LANE_INTERACTIVE = 0   # short inputs: never queued behind a long document

@@ -41,7 +41,7 @@ def encode_op(request: pb.EncodeRequest, limits: Limits, prefix: str = "") -> Op
     size = len(request.text.encode("utf-8"))
     if size > limits.max_text_bytes:
         raise InvalidArgument(prefix + "text", f"{size} bytes; at most {limits.max_text_bytes}")
-    return Op(protocol.OP_ENCODE, (request.text, request.add_special_tokens), size)
+    return Op(protocol.OP_ENCODE, (request.text, request.add_special_tokens, request.allow_special_tokens), size)
 
 
 def _chat_op(request: pb.EncodeRequest, limits: Limits, prefix: str) -> Op:

@@ -25,7 +25,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         if request.messages:
             ids = self.mt.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
         else:
-            ids = self.mt.encode(request.text)
+            ids = self.mt.encode(request.text, special_tokens_as_text=not request.allow_special_tokens)
         return tokenizer_pb2.EncodeResponse(token_ids=ids)
 
     async def GetTokenizerInfo(self, request, context):

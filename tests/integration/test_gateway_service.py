@@ -27,6 +27,9 @@ tenants:
      tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
   - {{id: tiny, api_keys: ["sha256:{hash_key('tiny-key')}"], requests_per_second: 0.1, burst: 1,
      tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
+  - {{id: raw, api_keys: ["sha256:{hash_key('raw-key')}"], requests_per_second: 1000, burst: 1000,
+     tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"],
+     raw_special_tokens: true}}
   - {{id: fenced, api_keys: ["sha256:{hash_key('fenced-key')}"], requests_per_second: 10, burst: 10,
      tokens_per_minute: 100000, max_concurrent: 4, max_new_tokens: 64, priority: normal, models: ["llama-70b"]}}
 """
@@ -221,6 +224,17 @@ async def test_work_items_carry_a_prefix_cache_salt_per_tenant(env):
     await env.stub.Complete(req("salt-1"), metadata=OTHER, timeout=30)
     salts = {i.tenant: i.cache_salt for i in env.worker.items if i.request_id == "salt-1"}
     assert salts == {"acme": "tenant:acme", "other": "tenant:other"}
+
+
+async def test_raw_special_tokens_only_for_the_tenant_allowed_them(env):
+    text = pb.TokenizeRequest(text="<|im_start|>system")
+    assert 1 not in (await env.stub.Tokenize(text, metadata=ACME, timeout=30)).token_ids
+    raw = (("authorization", "Bearer raw-key"),)
+    assert list((await env.stub.Tokenize(text, metadata=raw, timeout=30)).token_ids)[0] == 1
+    await env.stub.Complete(req("raw-1", prompt="<|im_start|>user"), metadata=raw, timeout=30)
+    await env.stub.Complete(req("raw-1", prompt="<|im_start|>user"), metadata=ACME, timeout=30)
+    firsts = {i.tenant: i.prompt_token_ids[0] for i in env.worker.items if i.request_id == "raw-1"}
+    assert firsts["raw"] == 1 and firsts["acme"] != 1
 
 
 async def test_cancel_rpc_own_tenant_only(env):

@@ -50,7 +50,7 @@ def test_reload_swaps_table_and_keeps_it_on_error(tmp_path):
 @pytest.mark.parametrize("bad", [
     DOC.replace("sha256:", "plain:"), DOC.replace("burst: 10", "burst: 0"), DOC.replace("priority: high", "priority: x"),
     DOC + DOC.split("tenants:")[1], DOC.replace("id: acme", "id: 'a{b}'"),
-    DOC + "    cache_group: [a, b]\n",
+    DOC + "    cache_group: [a, b]\n", DOC + "    raw_special_tokens: 'yes'\n",
 ])
 def test_bad_files_rejected(bad):
     with pytest.raises(TenantsError):
@@ -78,3 +78,8 @@ def test_cache_salt_is_per_tenant_unless_tenants_share_a_cache_group():
     # a group named like a tenant does not share that tenant's cache
     lookalike = {t.id: t.cache_salt for t in parse_tenants(doc.replace("team", "solo")).values()}
     assert lookalike["red"] == "group:solo" != lookalike["solo"]
+
+
+def test_raw_special_tokens_is_off_unless_the_file_says_true():
+    assert {t.raw_special_tokens for t in parse_tenants(DOC).values()} == {False}
+    assert {t.raw_special_tokens for t in parse_tenants(DOC + "    raw_special_tokens: true\n").values()} == {True}

@@ -144,7 +144,7 @@ def test_segment_cache_disabled_for_a_tokenizer_where_it_would_be_inexact(smollm
         def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
             return super().encode(text, add_special_tokens) + [len(text) % 7]
 
-    odd = WholeTextDependent(**{f.name: getattr(smollm2, f.name) for f in dataclasses.fields(smollm2)})
+    odd = WholeTextDependent(**{f.name: getattr(smollm2, f.name) for f in dataclasses.fields(smollm2) if f.init})
     encoder = SegmentEncoder(odd, max_bytes=1 << 20)
     assert not encoder.enabled
     prompt = odd.render_chat(CONVERSATIONS[0])
@@ -164,7 +164,7 @@ def _field_of(call) -> str:
 
 def test_text_op_and_limits():
     op = encode_op(pb.EncodeRequest(text="héllo", add_special_tokens=True), LIMITS)
-    assert (op.name, op.args, op.cost) == (protocol.OP_ENCODE, ("héllo", True), 6)
+    assert (op.name, op.args, op.cost) == (protocol.OP_ENCODE, ("héllo", True, False), 6)
     assert _field_of(lambda: encode_op(pb.EncodeRequest(text="x" * 101), LIMITS)) == "text"
     assert _field_of(lambda: encode_op(pb.EncodeRequest(text="é" * 51), LIMITS, "requests[1].")) == \
         "requests[1].text"
