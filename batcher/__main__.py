@@ -22,8 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     settings = BatcherSettings.load_or_exit(sys.argv[1:] if argv is None else argv, prog="python -m batcher",
                                             description=DESCRIPTION)
     configure_logging("batcher", settings.log_level)
-    asyncio.run(serve(BatcherService(settings), settings, "batcher"))
-    return 0
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        return await serve(BatcherService(settings, stop=stop), settings, "batcher", stop=stop)
+
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = GatewaySettings.load_or_exit(sys.argv[1:] if argv is None else argv, prog="python -m gateway",
                                             description="llmserve gateway: auth, quotas, admission, streaming")
     configure_logging("gateway", settings.log_level)
-    asyncio.run(_run(settings))
-    return 0
+    return asyncio.run(_run(settings))
 
 
-async def _run(settings: GatewaySettings) -> None:
+async def _run(settings: GatewaySettings) -> int:
     # Built inside the loop: grpc.aio channels bind to the loop that exists when they are made.
     service = InferenceService(settings)
-    await serve(service, settings, "gateway", max_message_bytes=settings.max_message_bytes)
+    return await serve(service, settings, "gateway", max_message_bytes=settings.max_message_bytes)
 
 
 if __name__ == "__main__":

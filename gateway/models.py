@@ -36,6 +36,7 @@ class ModelCatalog:
         self.ids = [model_store.model_id(spec) for spec in specs]
         self.default_id = self.ids[0]
         self.timeout_s = timeout_s
+        self.target = tokenizer_target
         # round_robin: a headless Service's DNS name resolves to every tokenizer pod; the default
         # pick_first would send every call to one of them
         self.channel = grpc.aio.insecure_channel(tokenizer_target, options=[
@@ -51,12 +52,24 @@ class ModelCatalog:
         for model_id in self.ids:
             async for attempt in retrying(deadline=deadline, max_attempts=10_000, max_backoff_s=1.0):
                 with attempt:
-                    info = await self.stub.GetTokenizerInfo(tokenizer_pb2.TokenizerInfoRequest(model=model_id),
-                                                            timeout=self.timeout_s, wait_for_ready=True)
+                    info = await self._tokenizer_info(model_id)
             self.models[model_id] = ModelInfo(model_id, Tokenizer.from_str(info.tokenizer_json),
                                               tuple(info.eos_token_ids), int(info.context_length))
             logger.info("model ready", model=model_id, context_length=info.context_length,
                         eos_token_ids=list(info.eos_token_ids))
+
+    async def _tokenizer_info(self, model_id: str) -> tokenizer_pb2.TokenizerInfo:
+        """GetTokenizerInfo; UNIMPLEMENTED means the target is some other gRPC server (a port
+        taken over, a wrong address): said clearly, and retried like an absent tokenizer."""
+        try:
+            return await self.stub.GetTokenizerInfo(tokenizer_pb2.TokenizerInfoRequest(model=model_id),
+                                                    timeout=self.timeout_s, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            logger.error("tokenizer target is not a tokenizer service; retrying", target=self.target,
+                         details=exc.details())
+            raise Unavailable(f"{self.target} does not serve llmserve.v1.Tokenizer") from exc
 
     def get(self, model: str) -> ModelInfo:
         """The served model `model` (empty = default); INVALID_ARGUMENT for one this gateway does not serve."""

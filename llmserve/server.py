@@ -6,11 +6,19 @@ gracefully:
 
     SIGTERM/SIGINT ─▶ health NOT_SERVING ─▶ service.drain() ─▶ server.stop(grace)
                    ─▶ service.close() ─▶ exit 0
+
+A service whose background work died (`service.failure` set, then the stop event)
+skips the drain: health NOT_SERVING ─▶ server.stop(0) ─▶ service.close() ─▶ exit 1,
+so its supervisor (`llmserve up`, compose, Kubernetes) starts a fresh one.
+
+The port is bound before anything else (port 0 = the kernel picks one) and, with
+`--port-file`, written there for the supervisor: no port is ever picked before binding.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +53,8 @@ class Service(Protocol):
     async def start(self) -> None: ...   # background work; called before SERVING
     async def drain(self) -> None: ...   # stop taking new work; in-flight calls go on
     async def close(self) -> None: ...   # release resources after the server stopped
+    # set (then the stop event) when background work died: serve() exits 1 without draining
+    failure: BaseException | None
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
@@ -191,21 +201,47 @@ def _install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+def write_port_file(path: str, port: int) -> None:
+    """Atomically write the bound port (a reader never sees a half-written file)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    Path(tmp).write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
 async def serve(service: Service, settings: CommonSettings, name: str,
-                max_message_bytes: int = 4 * 1024 * 1024, stop: asyncio.Event | None = None) -> None:
-    """Run `service` until SIGTERM/SIGINT (or `stop`), then stop gracefully."""
+                max_message_bytes: int = 4 * 1024 * 1024, stop: asyncio.Event | None = None) -> int:
+    """Run `service` until SIGTERM/SIGINT (or `stop`), then stop gracefully.
+
+    Returns:
+        the process exit code: 0 after a graceful stop, 1 when the service's background work died.
+    """
     stop = stop or asyncio.Event()
     _install_stop_signals(stop)
     if settings.metrics_port:
         prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
     handle = await start_server(service, settings, max_message_bytes)
+    settings.port = handle.port          # from here on the settings name the port actually bound
+    if settings.port_file:
+        write_port_file(settings.port_file, handle.port)
     await service.start()
-    await handle.set_serving(True)
-    logger.info("serving", address=f"{settings.host}:{handle.port}", metrics_port=settings.metrics_port)
+    if not stop.is_set():
+        await handle.set_serving(True)
+        logger.info("serving", address=f"{settings.host}:{handle.port}", metrics_port=settings.metrics_port)
     await stop.wait()
+    if getattr(service, "failure", None) is not None:
+        return await _stop_failed(service, handle)
     logger.info("stopping", grace_s=settings.grace_s)
     await handle.set_serving(False)
     await service.drain()
     await handle.server.stop(settings.grace_s)
     await service.close()
     logger.info("stopped")
+    return 0
+
+
+async def _stop_failed(service: Service, handle: ServerHandle) -> int:
+    logger.error("service failed; exiting for the supervisor to restart it", error=repr(service.failure))
+    await handle.set_serving(False)
+    await handle.server.stop(0)
+    await service.close()
+    return 1

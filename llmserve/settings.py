@@ -151,7 +151,8 @@ class CommonSettings(BaseSettings):
     """Settings every service shares: where it listens, Redis, logging, metrics."""
 
     host: str = setting("127.0.0.1", "interface the gRPC server binds")
-    port: int = setting(0, "gRPC port (0 = pick a free one)")
+    port: int = setting(0, "gRPC port (0 = the kernel picks a free one at bind time)")
+    port_file: str = setting("", "write the bound gRPC port to this file once listening (for supervisors)")
     metrics_port: int = setting(0, "Prometheus metrics HTTP port (0 = off)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis/Valkey URL", env="REDIS_URL")
     redis_password: str = setting("", "Redis password (overrides the URL's)", secret=True)

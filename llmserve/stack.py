@@ -26,7 +26,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import model_store
-from llmserve.valkey import ValkeyServer, free_port
+from llmserve.valkey import ValkeyServer
 
 logger = structlog.get_logger(__name__)
 
@@ -55,49 +55,83 @@ class StackConfig:
 
 
 class ServiceProcess:
-    """One `python -m <module>` child with its port and log file."""
+    """One `python -m <module>` child with its log file and the port it bound.
 
-    def __init__(self, name: str, module: str, flags: list[str], port: int, log_path: Path,
-                 env: dict[str, str]) -> None:
+    The child binds `port_request` (0 = any free port) and writes the port it got to its port
+    file; `port` reads it from there. A sticky service (tokenizer_svc, gateway: others hold their
+    address) asks for the same port again when it is started anew.
+    """
+
+    def __init__(self, name: str, module: str, flags: list[str], port_request: int, log_path: Path,
+                 env: dict[str, str], sticky_port: bool = False) -> None:
         self.name = name
         self.module = module
         self.flags = flags
-        self.port = port
+        self.port_request = port_request
         self.log_path = log_path
+        self.port_path = log_path.with_suffix(".port")
         self.env = env
+        self.sticky_port = sticky_port
         self.process: subprocess.Popen | None = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            self.wait_port(time.monotonic() + 300.0)
+        return self._port
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> "ServiceProcess":
+        self.port_path.unlink(missing_ok=True)
+        self._port = None
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen([sys.executable, "-m", self.module, *self.flags], stdout=log,
-                                        stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT)
+        argv = [sys.executable, "-m", self.module, "--port", str(self.port_request),
+                "--port-file", str(self.port_path), *self.flags]
+        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT)
         log.close()
         return self
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def wait_port(self, deadline: float) -> int:
+        """Block until the child has bound its port; raise if it dies or time runs out."""
+        while self._port is None:
+            text = self.port_path.read_text() if self.port_path.exists() else ""
+            if text.strip():
+                self._port = int(text)
+                if self.sticky_port:
+                    self.port_request = self._port
+                break
+            self._check_running(deadline, "bound no port")
+            time.sleep(0.05)
+        return self._port
+
     def wait_serving(self, deadline: float) -> None:
         """Block until grpc.health.v1 says SERVING; raise if the process dies or time runs out."""
+        self.wait_port(deadline)
         with grpc.insecure_channel(self.target) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
-                if not self.alive():
-                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log: {self.log_path}\n"
-                                       f"{self.log_tail()}")
+                self._check_running(deadline, "not SERVING")
                 try:
                     reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
                     pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} not SERVING in time; log: {self.log_path}\n{self.log_tail()}")
                 time.sleep(0.2)
+
+    def _check_running(self, deadline: float, what: str) -> None:
+        if not self.alive():
+            raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log: {self.log_path}\n"
+                               f"{self.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{self.name} {what} in time; log: {self.log_path}\n{self.log_tail()}")
 
     def signal(self, sig: int) -> None:
         if self.alive():
@@ -161,22 +195,24 @@ class Stack:
 
     # -- start -----------------------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
+        """The children's environment; the Redis URL (it may hold a password) travels here, never in argv."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_") or k == "LLMSERVE_CACHE_DIR"}
-        env.pop("REDIS_URL", None)
+        env["REDIS_URL"] = self.redis_url
         env.update(self.config.extra_env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _service(self, name: str, module: str, flags: list[str], port: int = 0) -> ServiceProcess:
-        port = port or free_port()
-        common = ["--host", self.config.host, "--port", str(port), "--redis-url", self.redis_url]
+    def _service(self, name: str, module: str, flags: list[str], port: int = 0,
+                 sticky_port: bool = False) -> ServiceProcess:
         extra = self.config.extra_flags.get(module, [])
-        proc = ServiceProcess(name, module, [*common, *flags, *extra], port, self.log_dir / f"{name}.log", self._env())
+        proc = ServiceProcess(name, module, ["--host", self.config.host, *flags, *extra], port,
+                              self.log_dir / f"{name}.log", self._env(), sticky_port)
         self.services[name] = proc
         return proc.start()
 
     def start_tokenizer(self) -> ServiceProcess:
-        return self._service("tokenizer_svc", "tokenizer_svc", ["--models", str(self.config.model)])
+        return self._service("tokenizer_svc", "tokenizer_svc", ["--models", str(self.config.model)],
+                             sticky_port=True)
 
     def start_batcher(self, name: str = "batcher") -> ServiceProcess:
         return self._service(name, "batcher", ["--models", self.model_id])
@@ -192,7 +228,7 @@ class Stack:
         self._gateway_seq += 1
         flags = ["--tenants", str(self.config.tenants), "--tokenizer-target", self.tokenizer_target,
                  "--models", str(self.config.model)]
-        return self._service(name, "gateway", flags, port)
+        return self._service(name, "gateway", flags, port, sticky_port=True)
 
     def start(self) -> "Stack":
         """Start everything and return once every service reports SERVING."""

@@ -21,6 +21,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The chosen port was bound by someone else first."""
+
+
 class ValkeyServer:
     """A valkey-server child process on a loopback port.
 
@@ -33,6 +37,7 @@ class ValkeyServer:
 
     def __init__(self, port: int = 0, data_dir: Path | None = None, appendonly: bool = False,
                  password: str = "") -> None:
+        self._auto_port = port == 0
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="llmserve-valkey-")
         self.data_dir = Path(data_dir or self._tmp.name)
@@ -56,20 +61,42 @@ class ValkeyServer:
             cmd += ["--requirepass", self.password]
         return cmd
 
-    def start(self, timeout_s: float = 10.0) -> "ValkeyServer":
+    def start(self, timeout_s: float = 10.0, attempts: int = 5) -> "ValkeyServer":
+        """Start and wait for PING. A port picked here can be taken by another process before
+        valkey binds it: then (the server exits, or a PING reaches a server that is not ours)
+        another free port is tried."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except PortTaken:
+                if not self._auto_port or attempt == attempts - 1:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> "ValkeyServer":
         self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None)
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.exceptions.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"valkey-server did not start: {self.process.stderr.read()!r}") from None
-                time.sleep(0.05)
-            finally:
-                client.close()
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    stderr = self.process.stderr.read().decode(errors="replace")
+                    if "in use" in stderr:
+                        raise PortTaken(stderr)
+                    raise RuntimeError(f"valkey-server did not start: {stderr!r}")
+                try:
+                    if int(client.info("server")["process_id"]) != self.process.pid:
+                        self.stop(kill=True)
+                        raise PortTaken(f"another server answers on port {self.port}")
+                    return self
+                except (redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError):
+                    if time.monotonic() > deadline:
+                        self.stop(kill=True)
+                        raise RuntimeError("valkey-server did not answer in time") from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def stop(self, kill: bool = False) -> None:
         if self.process and self.process.poll() is None:

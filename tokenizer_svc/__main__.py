@@ -24,9 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # missing file, unreadable GGUF, UnsupportedTokenizer, ...
         logger.error("cannot load model", error=str(exc))
         return 2
-    asyncio.run(serve(TokenizerService(settings, models), settings, "tokenizer_svc",
-                      max_message_bytes=settings.max_message_bytes))
-    return 0
+    return asyncio.run(serve(TokenizerService(settings, models), settings, "tokenizer_svc",
+                             max_message_bytes=settings.max_message_bytes))
 
 
 if __name__ == "__main__":
