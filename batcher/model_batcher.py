@@ -28,7 +28,7 @@ from batcher.fair_queue import FairQueue, Held
 from batcher.reclaimer import Reclaimer
 from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
-from llmserve import keys
+from llmserve import fencing, keys
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -37,6 +37,9 @@ logger = structlog.get_logger(__name__)
 _IDLE_BLOCK_MS = 200       # longest a read blocks; bounds how late a stop is noticed
 _TOUCH_CHUNK = 500
 _PIPELINED = 8             # batches formed and dispatched per Redis round trip
+# Unexpected errors in a row after which the loop gives up and takes the process down, so
+# its supervisor restarts it (and the operator sees it) instead of it retrying forever.
+MAX_CONSECUTIVE_FAILURES = 5
 
 _Plan = tuple[Capacity, list[Held]]
 _Drop = tuple[Held, DropReason, str]
@@ -74,20 +77,23 @@ class ModelBatcher:
 
     async def run(self) -> None:
         """Batch until `stop_reading()`; then flush what is held (bounded by grace_s)."""
-        backoff = 0.05
+        backoff, failures = 0.05, 0
         while self._reading:
             try:
                 await self.step()
-                backoff = 0.05
+                backoff, failures = 0.05, 0
             except NoScriptError:
                 await self.scripts.load()  # Redis restarted or flushed its script cache
             except (RedisError, OSError) as exc:
                 logger.warning("redis error in batch loop", model=self.model, error=repr(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-            except Exception:  # noqa: BLE001 - a bug must not silently stop batching for this model
-                logger.exception("batch loop failed; continuing", model=self.model)
-                await asyncio.sleep(1.0)
+            except Exception:  # noqa: BLE001 - one odd step is retried; a persistent one ends the process
+                failures += 1
+                if failures >= MAX_CONSECUTIVE_FAILURES:
+                    raise
+                logger.exception("batch loop step failed; retrying", model=self.model, failures=failures)
+                await asyncio.sleep(0.2 * failures)
         await self.flush(time.monotonic() + self.settings.grace_s)
 
     async def step(self) -> None:
@@ -235,6 +241,13 @@ class ModelBatcher:
         Items another replica took over are forgotten; on a Redis error every
         item goes back to the queue (the ownership check settles the outcome).
         """
+        try:
+            await fencing.issue(self.redis, [h.item for _, batch in plans for h in batch],
+                                self.settings.events_ttl_s)
+        except (RedisError, OSError):
+            for _, batch in plans:
+                self.queue.extend(batch)
+            raise
         pipe = self.redis.pipeline(transaction=False)
         for cap, batch in plans:
             message = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=[h.item for h in batch],
@@ -248,17 +261,18 @@ class ModelBatcher:
             for _, batch in plans:
                 self.queue.extend(batch)
             raise
-        sent = 0
+        sent: list[queue_pb2.WorkItem] = []
         for (cap, batch), reply in zip(plans, replies):
             result = dispatch_result(reply, _sources(batch))
             if result.ok:
                 self._record(batch)
-                sent += len(batch)
+                sent += [h.item for h in batch]
             else:  # some entries are no longer ours: forget those, retry the rest
                 lost = set(result.lost)
                 metrics.CONFLICTS.labels(self.model).inc(len(lost))
                 self.queue.extend(h for h in batch if h.ref not in lost)
-        return sent
+        await fencing.raise_fence(self.redis, sent, self.settings.events_ttl_s)
+        return len(sent)
 
     def _record(self, batch: list[Held]) -> None:
         wait = time.monotonic() - min(h.read_at for h in batch)

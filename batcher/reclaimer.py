@@ -22,7 +22,7 @@ from batcher import metrics
 from batcher.events import DropReason, final_event, write_final
 from batcher.scripts import Source
 from batcher.workers import Capacity, blocks_needed
-from llmserve import keys
+from llmserve import fencing, keys
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -134,12 +134,14 @@ class Reclaimer:
         if cap is None:
             metrics.NO_CAPACITY.labels(owner.model).inc()
             return  # retried on the next sweep
+        await fencing.issue(owner.redis, items, owner.settings.events_ttl_s)
         batch = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=items, created_unix_ms=now_ms())
         result = await owner.scripts.dispatch(
             keys.inbox_stream(owner.model, cap.worker_id), keys.inboxes_set(owner.model), cap.worker_id,
             keys.INBOX_GROUP, owner.consumer, source, batch.SerializeToString())
         del self._prepared[key]  # dispatched, or another replica owns it now
         if result.ok:
+            await fencing.raise_fence(owner.redis, items, owner.settings.events_ttl_s)
             blocks = sum(blocks_needed(i, cap.block_size, owner.settings.decode_reserve) for i in items)
             owner.pool.reserve(cap.worker_id, blocks, len(items), now_ms())
             metrics.DISPATCHED.labels(owner.model).inc(len(items))

@@ -30,12 +30,16 @@ class BatcherService:
     Args:
         settings: validated batcher settings.
         redis: a client to use instead of connecting to `settings.redis_url` (tests).
+        stop: the event `serve()` waits on; set (with `failure`) when a batch loop died.
     """
 
     service_names: tuple[str, ...] = ()
 
-    def __init__(self, settings: BatcherSettings, redis: aioredis.Redis | None = None) -> None:
+    def __init__(self, settings: BatcherSettings, redis: aioredis.Redis | None = None,
+                 stop: asyncio.Event | None = None) -> None:
         self.settings = settings
+        self.stop_event = stop
+        self.failure: BaseException | None = None
         self.consumer = settings.consumer_name()
         self._redis = redis
         self._own_redis = redis is None
@@ -55,10 +59,22 @@ class BatcherService:
             batcher = ModelBatcher(self._redis, scripts, self.settings, model, self.consumer)
             await batcher.ensure_groups()
             self.models[model] = batcher
-            self._tasks.append(asyncio.create_task(batcher.run(), name=f"batch-{model}"))
+            task = asyncio.create_task(batcher.run(), name=f"batch-{model}")
+            task.add_done_callback(self._loop_ended)
+            self._tasks.append(task)
         self._tasks.append(asyncio.create_task(self._stats_loop(), name="batcher-stats"))
         logger.info("batcher started", consumer=self.consumer, models=list(self.models),
                     limits={m: vars(b.limits) for m, b in self.models.items()})
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.failure = exc
+        logger.error("batch loop died; failing the batcher", task=task.get_name(),
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        if self.stop_event is not None:
+            self.stop_event.set()
 
     async def drain(self) -> None:
         """Stop reading; each loop finishes its batch in hand and flushes what it holds."""

@@ -31,13 +31,30 @@ class OutputBuilder:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.matcher = StopMatcher(stops)
         self.next_index = 0       # completion tokens taken so far
+        self.taken: list[int] = []   # their ids
+        self.epoch = 0            # newest dispatch epoch seen
         self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
         self.done = False
         self.first_event: queue_pb2.TokenEvent | None = None
 
     def _new_tokens(self, event: queue_pb2.TokenEvent) -> list[int]:
-        """The tokens of `event` not seen before (events may repeat after a redelivery)."""
+        """The tokens of `event` not seen before (events may repeat after a redelivery).
+
+        A re-run after a failover (a newer dispatch epoch) repeats the tokens already taken:
+        they must be the same ones (seeded sampling makes them so), or the completion would
+        be two runs spliced together; then the stream fails instead.
+        """
         ids = list(event.token_ids)
+        if event.dispatch_epoch < self.epoch:
+            return []           # a fenced-off run's late event: only the newest run counts
+        if event.dispatch_epoch > self.epoch:
+            self.epoch = event.dispatch_epoch
+            overlap = self.taken[event.index:event.index + len(ids)]
+            if overlap != ids[:len(overlap)]:
+                logger.error("re-run diverged from the tokens already sent", index=event.index,
+                             epoch=event.dispatch_epoch)
+                raise Unavailable("the request was re-run after a worker failure and diverged; "
+                                  "retry it under a new request_id")
         if event.index > self.next_index:
             logger.warning("gap in token events", expected=self.next_index, got=event.index)
             if event.final:  # never end a completion with tokens missing from its middle
@@ -54,6 +71,7 @@ class OutputBuilder:
         ids = self._new_tokens(event)
         start = self.next_index
         self.next_index += len(ids)
+        self.taken += ids
         result = self.matcher.feed(self.detok.feed(ids)) if ids else None
         text = result.text if result else ""
         if result and result.stopped:

@@ -1,4 +1,8 @@
-"""Token events: one TokenEvent per sequence per step, all of a step in one Redis pipeline."""
+"""Token events: one TokenEvent per sequence per step, all of a step in one Redis pipeline.
+
+Each write is fenced (llmserve/fencing.py): Redis refuses it when the request was
+dispatched again elsewhere since this worker got it, and the publisher reports which.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gpu_worker.requests import Tracked
-from llmserve import keys
+from llmserve import fencing, keys
 from llmserve.v1 import queue_pb2
 
 
@@ -31,6 +35,7 @@ def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
     event = queue_pb2.TokenEvent(
         request_id=e.tracked.item.request_id, index=e.index,
         token_ids=list(e.token_ids), worker_id=worker_id, final=e.final,
+        dispatch_epoch=e.tracked.item.dispatch_epoch,
     )
     if e.final:
         event.finish_reason = e.finish_reason
@@ -59,19 +64,26 @@ class EventPublisher:
         self.worker_id = worker_id
         self.ttl_s = ttl_s
 
-    async def publish(self, emissions: list[Emission], ack_entries: list[str]) -> None:
-        """XADD + EXPIRE per event, then XACK/XDEL the finished inbox entries, in one pipeline."""
+    async def publish(self, emissions: list[Emission], ack_entries: list[str]) -> list[Emission]:
+        """Fenced XADD per event, then XACK/XDEL the finished inbox entries, in one pipeline.
+
+        Returns:
+            the emissions Redis refused: their requests now belong to a newer dispatch.
+        """
         if not emissions and not ack_entries:
-            return
+            return []
         pipe = self.redis.pipeline(transaction=False)
         for e in emissions:
-            key = e.tracked.item.events_key
-            pipe.xadd(key, {"event": build_event(e, self.worker_id).SerializeToString()})
-            pipe.expire(key, self.ttl_s)
+            fencing.fenced_xadd(pipe, e.tracked.item, build_event(e, self.worker_id).SerializeToString(), self.ttl_s)
         if ack_entries:
             pipe.xack(self.inbox, keys.INBOX_GROUP, *ack_entries)
             pipe.xdel(self.inbox, *ack_entries)
-        await pipe.execute()
-        for e in emissions:
-            e.tracked.sent_first = True
-            e.tracked.done = e.tracked.done or e.final
+        replies = await pipe.execute()
+        refused = []
+        for e, written in zip(emissions, replies):
+            if written:
+                e.tracked.sent_first = True
+                e.tracked.done = e.tracked.done or e.final
+            else:
+                refused.append(e)
+        return refused

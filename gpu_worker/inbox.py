@@ -2,6 +2,9 @@
 
 Read with the consumer group keys.INBOX_GROUP, consumer = worker id. On start the
 worker first re-reads its own pending entries (delivered before a restart, never acked).
+An entry that does not decode (a bad deploy, version skew, a bug) is acknowledged and
+deleted at once, counted and logged: it can never run, so it must not stop the loop or
+come back on every read.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 import structlog
 
+from google.protobuf.message import DecodeError
+
+from gpu_worker import metrics
 from llmserve import keys
 from llmserve.v1 import queue_pb2
 
@@ -25,14 +31,17 @@ class InboxEntry:
 
 
 def _decode(entry_id: bytes | str, fields: dict) -> InboxEntry | None:
+    """The entry's batch; None when it has no decodable one."""
     eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     raw = fields.get(b"batch") or fields.get("batch")
     if raw is None:
-        logger.warning("inbox entry without batch field", entry_id=eid)
-        return InboxEntry(eid, queue_pb2.Batch())
-    batch = queue_pb2.Batch()
-    batch.ParseFromString(raw)
-    return InboxEntry(eid, batch)
+        logger.error("dropping inbox entry without a batch field", entry_id=eid, fields=sorted(map(str, fields)))
+        return None
+    try:
+        return InboxEntry(eid, queue_pb2.Batch.FromString(raw))
+    except DecodeError as exc:
+        logger.error("dropping undecodable inbox entry", entry_id=eid, error=str(exc), size=len(raw))
+        return None
 
 
 class Inbox:
@@ -71,6 +80,24 @@ class Inbox:
         reply = await self.redis.xreadgroup(keys.INBOX_GROUP, self.consumer, {self.key: start},
                                             count=count, block=block_ms)
         out: list[InboxEntry] = []
+        dropped: list[str] = []
         for _stream, messages in reply or []:
-            out += [e for eid, fields in messages if fields and (e := _decode(eid, fields))]
+            for eid, fields in messages:
+                if not fields:                 # deleted while pending: nothing left to run
+                    continue
+                entry = _decode(eid, fields)
+                if entry is None:
+                    dropped.append(eid.decode() if isinstance(eid, bytes) else eid)
+                else:
+                    out.append(entry)
+        if dropped:
+            await self.drop(dropped)
         return out
+
+    async def drop(self, entry_ids: list[str]) -> None:
+        """Acknowledge and delete entries that will never run."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(self.key, keys.INBOX_GROUP, *entry_ids)
+        pipe.xdel(self.key, *entry_ids)
+        await pipe.execute()
+        metrics.INBOX_DROPPED.inc(len(entry_ids))

@@ -17,3 +17,6 @@ BATCH_TOKENS = Histogram("llmserve_worker_batch_tokens", "tokens per forward ste
                          buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048))
 FINISHED = Counter("llmserve_worker_finished_total", "sequences finished", ["reason"])
 HANDED_BACK = Counter("llmserve_worker_handed_back_total", "sequences handed back to the queue on drain")
+INBOX_DROPPED = Counter("llmserve_worker_inbox_dropped_total", "undecodable inbox entries acknowledged and dropped")
+FENCED = Counter("llmserve_worker_fenced_total",
+                 "sequences stopped because their request was dispatched again elsewhere (stale fencing token)")

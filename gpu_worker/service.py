@@ -7,6 +7,11 @@
 
 SIGTERM reaches drain() through llmserve.server.serve; the Drain RPC starts the same drain
 and then sets the serve stop event, so the process exits 0 either way.
+
+The engine loop is supervised: if it ends by an exception (a bug, out of memory, a Redis
+reply it cannot handle) the worker logs the stack, deletes its heartbeat (the batcher then
+reclaims its inbox at once) and sets `failure`, so serve() turns health NOT_SERVING and the
+process exits 1 for its supervisor to start a fresh one.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class WorkerService:
         self.draining = False
         self._tasks: list[asyncio.Task] = []
         self._drain_task: asyncio.Task | None = None
+        self.failure: BaseException | None = None
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
@@ -111,7 +117,30 @@ class WorkerService:
             snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining)
         self._tasks = [asyncio.create_task(self.loop.run(), name="engine-loop"),
                        asyncio.create_task(self.heartbeat.run(), name="heartbeat")]
+        self._tasks[0].add_done_callback(self._engine_loop_ended)
         logger.info("worker ready", worker_id=self.worker_id, model=self.model_id)
+
+    # --- supervision -------------------------------------------------------------------------
+    def _engine_loop_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self.draining:
+            return
+        exc = task.exception() or RuntimeError("engine loop returned without being stopped")
+        self.failure = exc
+        logger.error("engine loop died; failing this worker", worker_id=self.worker_id,
+                     exc_info=(type(exc), exc, exc.__traceback__))
+        self._tasks.append(asyncio.create_task(self._fail(), name="fail"))
+
+    async def _fail(self) -> None:
+        """Stop advertising capacity, then let serve() exit non-zero."""
+        self._tasks[1].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._tasks[1]
+        try:
+            await asyncio.wait_for(self.heartbeat.remove(), 5.0)
+        except (*REDIS_ERRORS, asyncio.TimeoutError) as exc:
+            logger.warning("could not delete the heartbeat; it expires by itself", error=repr(exc))
+        if self.stop_event is not None:
+            self.stop_event.set()
 
     # --- drain -------------------------------------------------------------------------------
     def request_drain(self, timeout_s: float | None) -> None:
@@ -182,8 +211,11 @@ class WorkerService:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await task
+                except Exception as exc:  # noqa: BLE001 - already logged where it mattered; say it again
+                    logger.warning("task ended with an error", task=task.get_name(), error=repr(exc))
         if self.loop:
             self.loop.close()
         await self.redis.aclose()

@@ -190,15 +190,18 @@ class WorkerLoop:
         index = emission.tracked.seq.num_generated - len(emission.token_ids)
         self.state.unpublished.append(dataclasses.replace(emission, index=index))
         if emission.final:
-            seq = emission.tracked.seq
             reason = emission.error_code or str(emission.finish_reason)
             metrics.FINISHED.labels(reason=reason).inc()
-            self.state.tracked.pop(seq.seq_id, None)
-            open_ids = self.state.entries.get(emission.tracked.entry_id)
-            if open_ids is not None:
-                open_ids.discard(seq.seq_id)
-                if not open_ids:
-                    self._close_entry(emission.tracked.entry_id)
+            self._forget(emission.tracked)
+
+    def _forget(self, tracked: Tracked) -> None:
+        """The request ended here: stop tracking it; ack its batch once all of the batch ended."""
+        self.state.tracked.pop(tracked.seq.seq_id, None)
+        open_ids = self.state.entries.get(tracked.entry_id)
+        if open_ids is not None:
+            open_ids.discard(tracked.seq.seq_id)
+            if not open_ids:
+                self._close_entry(tracked.entry_id)
 
     def _close_entry(self, entry_id: str) -> None:
         self.state.entries.pop(entry_id, None)
@@ -209,10 +212,25 @@ class WorkerLoop:
         emissions, acks = self.state.unpublished, self.state.unacked
         self.state.unpublished, self.state.unacked = [], []
         try:
-            await self.publisher.publish(emissions, acks)
+            refused = await self.publisher.publish(emissions, acks)
         except BaseException:
             self.state.unpublished[:0], self.state.unacked[:0] = emissions, acks
             raise
+        self._stop_fenced(refused)
+
+    def _stop_fenced(self, refused: list[Emission]) -> None:
+        """Requests dispatched again elsewhere (we were declared dead): stop them, write nothing more."""
+        for tracked in {id(e.tracked): e.tracked for e in refused}.values():
+            if tracked.done:
+                continue
+            tracked.done = True
+            self.engine.abort(tracked.seq, 0, "FENCED")
+            self._forget(tracked)
+            self.state.unpublished = [e for e in self.state.unpublished if e.tracked is not tracked]
+            metrics.FENCED.inc()
+            logger.warning("request was dispatched again elsewhere; stopped here",
+                           request_id=tracked.item.request_id, tenant=tracked.item.tenant,
+                           epoch=tracked.item.dispatch_epoch)
 
     def _take_snapshot(self) -> None:
         e = self.engine

@@ -9,7 +9,8 @@ runs on Redis Cluster:
     llmserve:{m:<model>}:inboxes             set of worker ids the batcher wrote an inbox for
     llmserve:{r:<tenant>:<id>}:events        per-request token-event stream (TTL)
     llmserve:{r:<tenant>:<id>}:cancel        exists once the request is cancelled
-    llmserve:{r:<tenant>:<id>}:meta          hash: owner, created, state (TTL)
+    llmserve:{r:<tenant>:<id>}:meta          hash: owner, created, state (TTL, renewed by event writes)
+    llmserve:{r:<tenant>:<id>}:epoch         hash: issued, fence (fencing tokens, see llmserve/fencing.py)
     llmserve:{t:<tenant>}:rate|tokens|leases per-tenant quota state
 """
 
@@ -65,6 +66,10 @@ def cancel_key(tenant: str, request_id: str) -> str:
 
 def request_meta(tenant: str, request_id: str) -> str:
     return f"{PREFIX}:{{r:{request_uid(tenant, request_id)}}}:meta"
+
+
+def request_epoch(tenant: str, request_id: str) -> str:
+    return f"{PREFIX}:{{r:{request_uid(tenant, request_id)}}}:epoch"
 
 
 def tenant_key(tenant: str, what: str) -> str:

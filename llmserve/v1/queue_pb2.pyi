@@ -78,7 +78,7 @@ class EventError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens", "admitted_unix_ms", "worker_id", "final")
+    __slots__ = ("request_id", "index", "token_ids", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens", "admitted_unix_ms", "worker_id", "final", "dispatch_epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class TokenEvent(_message.Message):
     ADMITTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -99,7 +100,8 @@ class TokenEvent(_message.Message):
     admitted_unix_ms: int
     worker_id: str
     final: bool
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., error: _Optional[_Union[EventError, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admitted_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...
+    dispatch_epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., error: _Optional[_Union[EventError, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admitted_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., final: _Optional[bool] = ..., dispatch_epoch: _Optional[int] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
     __slots__ = ("worker_id", "model", "free_blocks", "total_blocks", "block_size", "running", "waiting", "max_running", "draining", "sent_unix_ms", "cached_prefix_hashes", "admin_address")
