@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from llmserve import model_store
 
@@ -18,32 +19,44 @@ DEV_API_KEY = "dev-key"  # the key of deploy/tenants.dev.yaml, for local use onl
 def _up(args: argparse.Namespace) -> int:
     from llmserve.log import configure_logging
     from llmserve.stack import Stack, StackConfig
+    from llmserve.supervisor import Supervisor
 
     configure_logging("llmserve-up")
     log_dir = Path(args.log_dir) if args.log_dir else Path(".llmserve") / "logs"
     config = StackConfig(model=args.model, workers=args.workers, gateways=args.gateways, device=args.device,
                          port=args.port, tenants=Path(args.tenants), redis_url=os.environ.get("REDIS_URL") or None,
                          log_dir=log_dir)
-    stop = threading.Event()
+    stop, roll = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: roll.set())
     print(f"starting llmserve (model {args.model}, {args.workers} worker(s), device {args.device}); "
           f"logs in {log_dir}/", flush=True)
     stack = Stack(config).start()
+    supervisor = Supervisor(stack, say=lambda text: print(text, file=sys.stderr, flush=True))
     try:
-        print(f"\nllmserve is up: gateway at {stack.gateway_target}  (Redis {stack.redis_url})")
+        print(f"\nllmserve is up: gateway at {stack.gateway_target}  (Redis {redact_url(stack.redis_url)})")
         print(f'try:  .venv/bin/llmserve generate "What is the capital of France?" --target {stack.gateway_target}')
-        print("Ctrl-C stops everything gracefully.", flush=True)
-        while not stop.wait(1.0):
-            dead = [s.name for s in stack.services.values() if not s.alive()]
-            if dead:
-                print(f"service(s) exited: {', '.join(dead)}; see {log_dir}/", file=sys.stderr)
-                break
+        print("Ctrl-C stops everything gracefully; SIGHUP rolls the workers one at a time.", flush=True)
+        while not stop.wait(0.5):
+            if roll.is_set():
+                roll.clear()
+                supervisor.roll_workers()
+            supervisor.poll()
     finally:
         print("stopping...", flush=True)
         codes = stack.stop()
         print("stopped: " + ", ".join(f"{name}={code}" for name, code in codes.items()), flush=True)
     return 0
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for printing."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -90,19 +90,20 @@ class RunningLoad:
 
 
 class StreamLoad:
-    """len(prompts) concurrent greedy, seeded, bounded streams through `Client.generate`."""
+    """len(prompts) concurrent seeded, bounded streams through `Client.generate` (greedy unless a
+    temperature is given: with the seed, sampled output is reproducible too)."""
 
     def __init__(self, target: str, api_key: str, prompts=PROMPTS[:16], max_new_tokens: int = 24,
-                 timeout_s: float = 180.0, retry: RetryPolicy | None = None) -> None:
+                 timeout_s: float = 180.0, retry: RetryPolicy | None = None, temperature: float = 0.0) -> None:
         self.target, self.api_key, self.prompts = target, api_key, list(prompts)
-        self.max_new_tokens, self.timeout_s = max_new_tokens, timeout_s
+        self.max_new_tokens, self.timeout_s, self.temperature = max_new_tokens, timeout_s, temperature
         self.retry = retry or RetryPolicy(max_attempts=40, initial_s=0.05, max_backoff_s=1.0)
 
     def _one(self, client: Client, record: StreamRecord, started: threading.Semaphore) -> None:
         try:
             for chunk in client.generate(messages=[{"role": "user", "content": record.prompt}],
                                          timeout=self.timeout_s, max_new_tokens=self.max_new_tokens,
-                                         temperature=0.0, seed=1234, request_id=record.request_id):
+                                         temperature=self.temperature, seed=1234, request_id=record.request_id):
                 if not record.chunk_times_s:
                     started.release()
                 record.chunk_times_s.append(time.monotonic())

@@ -1,0 +1,179 @@
+"""Faults as an operator meets them: `llmserve up` as a process (2 CPU workers, real Valkey,
+real model), 12 concurrent seeded streams at temperature 0.8, and the fault from outside.
+
+Each test asserts that every stream completes with exactly the text of a fault-free run
+(contiguous indices, no splice of two runs), that `up` and the rest of the stack keep
+serving, and that the worker count is whole again within 90 s; it prints the longest
+client stall and the time until the fleet was whole. One `up` serves the whole module.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import time
+
+import pytest
+import redis
+
+from llmserve import keys, model_store
+from llmserve.loadgen.streams import PROMPTS, StreamLoad, mismatches, stall_s
+from tests.conftest import TEST_TENANTS
+from tests.fault.up_process import UpProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+WORKERS = 2
+STREAMS = 12
+MAX_NEW_TOKENS = 32
+WHOLE_WITHIN_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    process = UpProcess.start(tmp_path_factory.mktemp("up"), workers=WORKERS, tenants=TEST_TENANTS)
+    process.wait_workers(WORKERS, timeout_s=120)
+    yield process
+    assert process.stop() == 0, process.stderr_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def load(up):
+    return StreamLoad(up.gateway_target, "dev-key", PROMPTS[:STREAMS], max_new_tokens=MAX_NEW_TOKENS,
+                      temperature=0.8)
+
+
+@pytest.fixture(scope="module")
+def baseline(load):
+    records = load.run("baseline")
+    assert mismatches(records, records) == []
+    return records
+
+
+@pytest.fixture(autouse=True)
+def whole_fleet(up):
+    """Every test starts (and must end) with every worker live and `up` running."""
+    up.wait_workers(WORKERS, timeout_s=WHOLE_WITHIN_S)
+    yield
+    assert up.process.poll() is None, up.stderr_text()[-2000:]
+
+
+def busiest_worker(up: UpProcess) -> str:
+    """The worker with most inbox entries in progress (it holds running sequences)."""
+    client = redis.Redis.from_url(up.redis_url)
+    try:
+        model = model_store.model_id(model_store.DEFAULT_MODEL)
+        pending = {w: int(client.xpending(keys.inbox_stream(model, w), keys.INBOX_GROUP)["pending"])
+                   for w in up.worker_pids()}
+    finally:
+        client.close()
+    victim = max(pending, key=pending.get)
+    assert pending[victim] > 0, pending
+    return victim
+
+
+def run_fault(up: UpProcess, load: StreamLoad, baseline, tag: str, fault):
+    """Start the streams, apply `fault` once half have tokens, check the outcome.
+
+    Returns:
+        what `fault` returned (after the streams ended and the fleet was whole again).
+    """
+    running = load.start(tag)
+    running.wait_started(STREAMS // 2)
+    fault_at = time.monotonic()
+    fleet = up.watch_fleet(WORKERS)
+    result = fault()
+    records = running.join()
+    assert mismatches(records, baseline) == []
+    whole_s = fleet.recovery_s(timeout_s=WHOLE_WITHIN_S)
+    assert whole_s <= WHOLE_WITHIN_S
+    stall = stall_s(records, fault_at) or 0.0
+    print(f"\n{tag}: longest client stall {stall:.2f} s; worker count whole again {whole_s:.1f} s after the fault")
+    return result
+
+
+def signal_busiest(up: UpProcess, sig: int) -> tuple[str, int]:
+    """Send `sig` to the worker holding most running batches; returns (its name, its pid)."""
+    victim = busiest_worker(up)
+    pid = up.worker_pids()[victim]
+    os.kill(pid, sig)
+    return victim, pid
+
+
+def test_kill9_of_a_worker_is_replaced(up, load, baseline):
+    victim, old_pid = run_fault(up, load, baseline, "kill9", lambda: signal_busiest(up, signal.SIGKILL))
+    assert up.worker_pids()[victim] != old_pid
+    assert f"{victim} exited with code -9" in up.stderr_text()
+
+
+def test_sigterm_drains_a_worker_and_up_replaces_it(up, load, baseline):
+    victim, old_pid = run_fault(up, load, baseline, "sigterm", lambda: signal_busiest(up, signal.SIGTERM))
+    assert up.worker_pids()[victim] != old_pid
+    assert f"{victim} exited with code 0" in up.stderr_text()
+
+
+def test_sighup_rolls_every_worker(up, load, baseline):
+    before = up.worker_pids()
+    run_fault(up, load, baseline, "sighup", lambda: up.signal(signal.SIGHUP))
+    deadline = time.monotonic() + 300
+    while "rolling restart done" not in up.stderr_text():
+        assert time.monotonic() < deadline, up.stderr_text()[-2000:]
+        time.sleep(0.5)
+    after = up.worker_pids()
+    assert sorted(after) == sorted(before)
+    assert all(after[name] != pid for name, pid in before.items()), (before, after)
+
+
+def test_worker_paused_past_its_ttl_is_fenced(up, load, baseline):
+    """SIGSTOP past the heartbeat TTL: its batches are reclaimed and re-run elsewhere; after
+    SIGCONT its writes for those requests are refused (fencing), so no stream is spliced."""
+    def pause() -> tuple[str, int]:
+        victim, pid = signal_busiest(up, signal.SIGSTOP)
+        time.sleep(6.0)                 # heartbeat TTL 3 s + reclaim sweep
+        os.kill(pid, signal.SIGCONT)
+        return victim, pid
+
+    victim, pid = run_fault(up, load, baseline, "sigstop", pause)
+    assert up.worker_pids()[victim] == pid          # it was paused, never restarted
+    deadline = time.monotonic() + 30
+    while "dispatched again elsewhere" not in up.service_log(victim):
+        assert time.monotonic() < deadline, up.service_log(victim)[-3000:]
+        time.sleep(0.5)
+
+
+def test_undecodable_inbox_entry_is_dropped(up, load, baseline):
+    victim = sorted(up.worker_pids())[0]
+    pid = up.worker_pids()[victim]
+    client = redis.Redis.from_url(up.redis_url)
+    inbox = keys.inbox_stream(model_store.model_id(model_store.DEFAULT_MODEL), victim)
+    try:
+        run_fault(up, load, baseline, "poison", lambda: client.xadd(inbox, {"batch": b"\xff\x00 not a Batch"}))
+    finally:
+        client.close()
+    assert up.worker_pids()[victim] == pid          # dropped, not crashed
+    assert "dropping undecodable inbox entry" in up.service_log(victim)
+
+
+def test_engine_loop_failure_takes_the_worker_down(up, load, baseline):
+    """Out of memory inside a step (as CUDA OOM would be): the worker's address space is capped
+    at what it has mapped now, so the next large tensor of the forward pass cannot be allocated.
+    The engine loop dies, the worker says so and exits 1, `up` starts a fresh one, and the
+    batcher re-runs its requests on the other worker."""
+    def exhaust_memory() -> tuple[str, int]:
+        victim = busiest_worker(up)
+        pid = up.worker_pids()[victim]
+        resource.prlimit(pid, resource.RLIMIT_AS, (_mapped_bytes(pid), resource.RLIM_INFINITY))
+        return victim, pid
+
+    victim, pid = run_fault(up, load, baseline, "oom", exhaust_memory)
+    assert up.worker_pids()[victim] != pid
+    assert f"{victim} exited with code 1" in up.stderr_text()
+    assert "engine loop died" in up.service_log(victim)
+
+
+def _mapped_bytes(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmSize")
