@@ -5,7 +5,8 @@
         print(chunk.text, end="")
     print(chunk.finish_reason, chunk.usage)
 
-Every call takes `timeout` (seconds; the deadline travels to the worker).
+Every call takes `timeout` (seconds; the deadline travels to the worker); generate and
+complete default to DEFAULT_TIMEOUT_S, so a caller never hangs for ever (None = no deadline).
 UNAVAILABLE is retried with exponential backoff and full jitter until the
 deadline. A stream that breaks part-way (gateway restart, network) is resumed
 by request_id from the next index (`x-resume-from`), so the caller sees every
@@ -26,6 +27,8 @@ import grpc
 from llmserve.retry import is_retryable, remaining
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
+
+DEFAULT_TIMEOUT_S = 300.0   # generate/complete deadline unless the caller gives one
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                   pb.FINISH_REASON_CANCELLED: "cancelled"}
@@ -227,7 +230,7 @@ class Client:
                 time.sleep(sleep)
                 attempt += 1
 
-    def generate(self, prompt: str | None = None, messages=None, *, timeout: float | None = None,
+    def generate(self, prompt: str | None = None, messages=None, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  **params) -> Iterator[Chunk]:
         """Stream a completion; `params` as in `build_request` (max_new_tokens, temperature, seed, request_id...)."""
         request = build_request(prompt, messages, **params)
@@ -262,7 +265,7 @@ class Client:
         except grpc.RpcError:
             pass
 
-    def complete(self, prompt: str | None = None, messages=None, *, timeout: float | None = None,
+    def complete(self, prompt: str | None = None, messages=None, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                  **params) -> Completion:
         """The whole completion at once (retries re-attach to the same request_id)."""
         request = build_request(prompt, messages, **params)
@@ -319,7 +322,7 @@ class AsyncClient:
                 await asyncio.sleep(sleep)
                 attempt += 1
 
-    async def generate(self, prompt: str | None = None, messages=None, *, timeout: float | None = None,
+    async def generate(self, prompt: str | None = None, messages=None, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                        **params) -> AsyncIterator[Chunk]:
         import asyncio
         request = build_request(prompt, messages, **params)
@@ -351,7 +354,7 @@ class AsyncClient:
                 except grpc.RpcError:
                     pass
 
-    async def complete(self, prompt: str | None = None, messages=None, *, timeout: float | None = None,
+    async def complete(self, prompt: str | None = None, messages=None, *, timeout: float | None = DEFAULT_TIMEOUT_S,
                        **params) -> Completion:
         request = build_request(prompt, messages, **params)
         reply = await self._unary(self.stub.Complete, request, timeout, request.request_id)

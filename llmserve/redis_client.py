@@ -1,12 +1,17 @@
-"""Redis connections with timeouts, health checks and retries on connection errors."""
+"""Redis connections with timeouts and health checks.
+
+redis-py's own retry is off: after a timeout or a dropped connection it cannot know
+whether Redis ran the command, and re-sending a work-item XADD, the hand-back MULTI or
+the admission script would do it twice. Callers retry where repeating is safe: the worker
+and batcher loops (whose writes the gateway dedupes by index and the fencing token
+settles), and the gateway's callers through UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import EqualJitterBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.backoff import NoBackoff
 
 
 def connect(url: str, password: str = "", *, socket_timeout: float | None = 5.0,
@@ -20,8 +25,7 @@ def connect(url: str, password: str = "", *, socket_timeout: float | None = 5.0,
         socket_timeout=socket_timeout,
         socket_connect_timeout=2.0,
         health_check_interval=15,
-        retry=Retry(EqualJitterBackoff(cap=0.5, base=0.02), retries=2),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        retry=Retry(NoBackoff(), retries=0),   # never re-send a command (see the module docstring)
         max_connections=max_connections,
     )
     if password:
