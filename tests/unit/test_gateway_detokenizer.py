@@ -98,3 +98,32 @@ def test_builder_never_finishes_over_a_gap(tokenizer):
         for e in evs[2:]:  # the event holding tokens 2..3 never came
             builder.feed(e)
     assert builder.next_index == 2  # nothing past the gap was taken
+
+
+def with_epoch(evs, epoch: int):
+    for e in evs:
+        e.dispatch_epoch = epoch
+    return evs
+
+
+def test_builder_takes_a_rerun_that_repeats_the_same_tokens(tokenizer):
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False).ids
+    first_run = with_epoch(events(ids, 2)[:2], 1)
+    rerun = with_epoch(events(ids, 2), 2)
+    late_stale = with_epoch([queue_pb2.TokenEvent(index=4, token_ids=[7, 7])], 1)
+    builder = OutputBuilder("r", tokenizer, [])
+    chunks = [c for c in (builder.feed(e) for e in [*first_run, *rerun[:3], *late_stale, *rerun[3:]])
+              if c is not None]
+    assert [t for c in chunks for t in c.token_ids] == ids
+    assert "".join(c.text for c in chunks) == "one two three four five six"
+
+
+def test_builder_refuses_to_splice_a_rerun_that_diverged(tokenizer):
+    from llmserve.errors import Unavailable
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False).ids
+    other = tokenizer.encode("one two seven eight nine ten", add_special_tokens=False).ids
+    builder = OutputBuilder("r", tokenizer, [])
+    for e in with_epoch(events(ids, 2)[:2], 1):
+        builder.feed(e)
+    with pytest.raises(Unavailable, match="diverged"):
+        builder.feed(with_epoch([queue_pb2.TokenEvent(index=0, token_ids=other[:4])], 2)[0])
