@@ -117,7 +117,7 @@ def bench_attention(batch: int, context: int, copy_bw: float) -> dict:
     out_sdpa = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True).squeeze(2).float()
     max_err = float((out_ours - out_sdpa).abs().max())
     nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 + q.numel() * 2
-    plan = cuda.plan_decode(batch, KV_HEADS, HEADS // KV_HEADS, tables.shape[1], BLOCK, cuda._num_sms(0))
+    plan = cuda.plan_decode(HEADS // KV_HEADS, tables.shape[1], BLOCK)
     del q, kc, vc, k, v
     torch.cuda.empty_cache()
     gbps = nbytes / ours / 1e9

@@ -15,26 +15,34 @@ struct alignas(2) f16 { unsigned short bits; };
 struct alignas(2) bf16 { unsigned short bits; };
 
 // ---- scalar conversions (fp32 is the compute type of every kernel) ----
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(f16 x) {
+// The 16-bit ones are PTX cvt instructions. tests/cuda_cpu/cuda_shim.h, which runs these kernels
+// on the CPU, defines LLMSERVE_HOST_CONVERSIONS and bit-exact software versions of the three.
+#ifndef LLMSERVE_HOST_CONVERSIONS
+__device__ __forceinline__ float f16_bits_to_float(unsigned short bits) {
   float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
   return f;
 }
+__device__ __forceinline__ unsigned short float_to_f16_bits(float x) {  // round to nearest even
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+__device__ __forceinline__ unsigned short float_to_bf16_bits(float x) {  // round to nearest even
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+#endif
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(f16 x) { return f16_bits_to_float(x.bits); }
 __device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(static_cast<unsigned>(x.bits) << 16); }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ f16 from_float<f16>(float x) {  // round to nearest even
-  f16 h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
-  return h;
-}
-template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {  // round to nearest even
-  bf16 h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
-  return h;
-}
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) { return f16{float_to_f16_bits(x)}; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return bf16{float_to_bf16_bits(x)}; }
 
 // Round-trip through T: the value a T store followed by a load would give.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }

@@ -8,7 +8,8 @@
 //   num_partitions  > 1: each CTA writes an unnormalised partial (acc, max, sum) and
 //                        paged_decode_reduce_kernel merges the partitions.
 //
-// Inside a CTA, warps take KV blocks round robin. Inside a warp, L = LANES_PER_TOKEN lanes share a
+// Inside a CTA, warps take tiles of up to 16 tokens of its KV blocks round robin (a 32- or 64-token
+// block is 2 or 4 tiles, so every block size holds the registers of a 16-token one). Inside a warp, L = LANES_PER_TOKEN lanes share a
 // token: each lane holds VECS_PER_LANE 8-element chunks (16 bytes in fp16/bf16) of its K/V row (coalesced: the L lanes read
 // the token's HEAD_DIM contiguous elements), so a warp covers TOKENS_PER_WARP tokens per load.
 //
@@ -59,12 +60,12 @@ __device__ __forceinline__ void merge_from_lane(SoftmaxState<GROUP_MAX, VPL>& s,
   }
 }
 
-// This lane's 16-byte chunks of its TPL token rows of one KV block; rows past the context read as 0.
+// This lane's 16-byte chunks of its TPL token rows of one tile; rows past the context read as 0.
 template <typename T, int TPL, int VPL, int TPW, int L>
 __device__ __forceinline__ void load_block_rows(
     Chunk8<T> (&dst)[TPL][VPL],
     const T* __restrict__ cache,     // [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
-    const long long base,            // element offset of (block, token 0, kv head)
+    const long long base,            // element offset of (block, first token of the tile, kv head)
     const long long token_stride,    // num_kv_heads * HEAD_DIM
     const int first_token, const int context_len, const int tg, const int sub) {
 #pragma unroll
@@ -98,8 +99,10 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE) paged_decode_kernel(
   constexpr int VPL = Layout::VECS_PER_LANE;
   constexpr int L = Layout::LANES_PER_TOKEN;
   constexpr int TPW = Layout::TOKENS_PER_WARP;
-  constexpr int TPL = BLOCK_SIZE / TPW;  // tokens per lane per KV block
-  static_assert(BLOCK_SIZE % TPW == 0, "block_size must be a multiple of tokens per warp");
+  constexpr int TILE = BLOCK_SIZE < 16 ? BLOCK_SIZE : 16;  // tokens per loop step of a warp
+  constexpr int TILES = BLOCK_SIZE / TILE;                 // tiles per KV block
+  constexpr int TPL = TILE / TPW;                          // tokens per lane per tile
+  static_assert(BLOCK_SIZE % TILE == 0 && TILE % TPW == 0, "block_size must be 8, 16, 32 or 64");
   // Loading V together with K keeps the most bytes in flight; with many heads x tokens the
   // scores need those registers, so V is then loaded once the scores are done.
   constexpr bool EARLY_V = GROUP_MAX * TPL < 32;
@@ -157,16 +160,18 @@ __global__ void __launch_bounds__(NUM_WARPS * WARP_SIZE) paged_decode_kernel(
   const int* __restrict__ table = block_tables + (long long)seq * max_blocks;
   const float neg_inf = __int_as_float(0xff800000);
 
-  // Stage 2: stream this warp's KV blocks through the online softmax. The next block id is read
+  // Stage 2: stream this warp's tiles through the online softmax. The next tile's block id is read
   // one iteration ahead, so the table -> K dependency does not serialise two memory latencies.
-  int phys_next = (blk_begin + warp < blk_end) ? table[blk_begin + warp] : 0;
-  for (int blk = blk_begin + warp; blk < blk_end; blk += NUM_WARPS) {
+  const int tile_end = blk_end * TILES;  // tiles of the last block past the context are masked
+  int phys_next = (blk_begin * TILES + warp < tile_end) ? table[(blk_begin * TILES + warp) / TILES] : 0;
+  for (int tile = blk_begin * TILES + warp; tile < tile_end; tile += NUM_WARPS) {
     const int phys = phys_next;
-    if (blk + NUM_WARPS < blk_end) phys_next = table[blk + NUM_WARPS];
-    const long long base = (long long)phys * block_stride + kv_head * HEAD_DIM;
-    const int first_token = blk * BLOCK_SIZE;
+    if (tile + NUM_WARPS < tile_end) phys_next = table[(tile + NUM_WARPS) / TILES];
+    const int first_token = tile * TILE;
+    const long long base =
+        (long long)phys * block_stride + (first_token % BLOCK_SIZE) * token_stride + kv_head * HEAD_DIM;
 
-    // 2a: issue the block's K (and V) loads before the first use (memory-level parallelism).
+    // 2a: issue the tile's K (and V) loads before the first use (memory-level parallelism).
     Chunk8<T> k_raw[TPL][VPL], v_raw[TPL][VPL];
     load_block_rows<T, TPL, VPL, TPW, L>(k_raw, k_cache, base, token_stride, first_token, context_len, tg, sub);
     if (EARLY_V)

@@ -33,9 +33,11 @@ KERNEL_TYPES = (*HALF_TYPES, torch.float32)
 # Paged decode attention launch constants (see paged_attention.cu).
 DECODE_WARPS = 4
 DECODE_HEAD_DIMS = (64, 128)  # others fall back to the torch reference (correct, not fast)
-MIN_PARTITION_TOKENS = 256   # a split-K partition shorter than this does not pay for the reduce
-SPLIT_BELOW_CTAS_PER_SM = 2  # split when the plain grid has fewer CTAs than this many per SM
-SPLIT_TARGET_CTAS_PER_SM = 4
+DECODE_BLOCK_SIZES = (8, 16, 32, 64)  # every size the worker config allows
+# Split-K partitions have this fixed length, so where a sequence's context is split (and so the bits
+# of its output) never depends on the batch it runs in, the block-table width, or whether a CUDA
+# graph (padded batch, full-width table) or an eager step launched it.
+PARTITION_TOKENS = 256
 
 
 # ---------------------------------------------------------------- launch planning (pure Python)
@@ -62,25 +64,20 @@ def group_max_for(group_size: int) -> int:
     return 8
 
 
-def plan_decode(num_seqs: int, num_kv_heads: int, group_size: int, max_blocks: int, block_size: int,
-                num_sms: int) -> DecodePlan:
-    """Choose split-K: only when the plain grid (seq x kv-head CTAs) leaves SMs idle and the
-    block table is long enough for partitions of at least MIN_PARTITION_TOKENS."""
+def plan_decode(group_size: int, max_blocks: int, block_size: int) -> DecodePlan:
+    """Split-K into PARTITION_TOKENS-long partitions whenever the block table is longer than one.
+
+    A sequence that fits one partition gets the same bits either way (the reduce of one partial is
+    exact), and partitions past a sequence's context do no work, so the plan may follow the table."""
     group_max = group_max_for(group_size)
-    chunks = -(-group_size // group_max)
-    base_ctas = max(1, num_seqs * num_kv_heads * chunks)
-    max_parts = (max_blocks * block_size) // MIN_PARTITION_TOKENS
-    if base_ctas >= SPLIT_BELOW_CTAS_PER_SM * num_sms or max_parts < 2:
-        return DecodePlan(group_max, chunks, 1, max(1, max_blocks))
-    wanted = -(-SPLIT_TARGET_CTAS_PER_SM * num_sms // base_ctas)
-    parts = max(1, min(wanted, max_parts))
-    partition_blocks = -(-max_blocks // parts)
-    return DecodePlan(group_max, chunks, -(-max_blocks // partition_blocks), partition_blocks)
+    partition_blocks = max(1, PARTITION_TOKENS // block_size)
+    num_partitions = max(1, -(-max_blocks // partition_blocks))
+    return DecodePlan(group_max, -(-group_size // group_max), num_partitions, partition_blocks)
 
 
 def decode_kernel_supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-    """The compiled layouts need head_dim 64/128 and a block size divisible by 8 tokens."""
-    return head_dim in DECODE_HEAD_DIMS and block_size % 8 == 0 and dtype in KERNEL_TYPES
+    """The compiled layouts cover head_dim 64/128 and the configurable block sizes."""
+    return head_dim in DECODE_HEAD_DIMS and block_size in DECODE_BLOCK_SIZES and dtype in KERNEL_TYPES
 
 
 def vec_width(dtype: torch.dtype, *sizes: int) -> int:
@@ -113,6 +110,9 @@ def hot_name_expressions() -> dict[str, list[str]]:
         for head_dim in (64, 128):
             attn += [decode_kernel_name(dtype, head_dim, 16, g) for g in (1, 2, 4, 8)]
             attn.append(reduce_kernel_name(dtype, head_dim))
+    # the larger configurable block sizes, in one dtype: they must not spill either
+    attn += [decode_kernel_name(torch.bfloat16, head_dim, bs, g) for head_dim in (64, 128) for bs in (32, 64)
+             for g in (1, 2, 4, 8)]
     norms, act, rope, kv = [], [], [], []
     for dtype in HALF_TYPES:
         t = CTYPE[dtype]
@@ -123,6 +123,21 @@ def hot_name_expressions() -> dict[str, list[str]]:
         kv.append(f"llmserve::write_kv_cache_kernel<{t}, 8>")
     return {"paged_attention.cu": attn, "layernorm.cu": norms, "activation.cu": act,
             "rotary.cu": rope, "kv_cache.cu": kv}
+
+
+def launchable_kernels() -> dict[str, list[str]]:
+    """Every kernel instantiation the ops below can launch, per .cu file (tests/cuda_cpu runs each)."""
+    weights = {dtype: (dtype, torch.float32) if dtype in HALF_TYPES else (dtype,) for dtype in KERNEL_TYPES}
+    attn = [decode_kernel_name(dtype, dim, bs, g) for dtype in KERNEL_TYPES for dim in DECODE_HEAD_DIMS
+            for bs in DECODE_BLOCK_SIZES for g in (1, 2, 4, 8)]
+    attn += [reduce_kernel_name(dtype, dim) for dtype in KERNEL_TYPES for dim in DECODE_HEAD_DIMS]
+    norms = [norm_kernel_name(fused, dtype, w, vec, warps) for dtype in KERNEL_TYPES for w in weights[dtype]
+             for fused in (False, True) for vec in (1, 8) for warps in (4, 8)]
+    types = [CTYPE[dtype] for dtype in KERNEL_TYPES]
+    return {"paged_attention.cu": attn, "layernorm.cu": norms,
+            "activation.cu": [f"llmserve::silu_and_mul_kernel<{t}, {vec}>" for t in types for vec in (1, 8)],
+            "rotary.cu": [f"llmserve::rotary_kernel<{t}, {i}>" for t in types for i in ("true", "false")],
+            "kv_cache.cu": [f"llmserve::write_kv_cache_kernel<{t}, {vec}>" for t in types for vec in (1, 8)]}
 
 
 def kernel_source(filename: str) -> str:
@@ -184,12 +199,46 @@ def _arr(t: torch.Tensor):
     return _cp().from_dlpack(t)
 
 
+class CupyLauncher:
+    """Where the ops' kernels run: on the GPU, through CuPy, on torch's current stream.
+
+    The ops only plan, allocate and pack arguments; a launcher executes. tests/cuda_cpu swaps in one
+    that runs the same kernels on the CPU (`use_launcher`), so everything in this module but the
+    two methods below is exercised without a GPU.
+    """
+
+    def launch(self, filename: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
+        """Tensors go through DLPack; scalars must be numpy-typed (np.int32, np.int64, np.float32)."""
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        with _on_torch_stream(device):
+            kernel_args = tuple(_arr(a) if isinstance(a, torch.Tensor) else a for a in args)
+            _kernel(filename, name)(grid, block, kernel_args)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A kernel output buffer, uninitialised: the kernels write every element the ops return."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+_launcher = CupyLauncher()
+
+
+@contextmanager
+def use_launcher(launcher):
+    """Run this module's kernel launches and output allocations through `launcher` inside the block."""
+    global _launcher
+    previous, _launcher = _launcher, launcher
+    try:
+        yield launcher
+    finally:
+        _launcher = previous
+
+
 def _launch(filename: str, name: str, grid, block, *args) -> None:
-    """Launch on torch's current stream; tensors go through DLPack, scalars must be numpy-typed."""
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    with _on_torch_stream(device):
-        kernel_args = tuple(_arr(a) if isinstance(a, torch.Tensor) else a for a in args)
-        _kernel(filename, name)(tuple(grid), tuple(block), kernel_args)
+    _launcher.launch(filename, name, tuple(grid), tuple(block), args)
+
+
+def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _launcher.empty(tuple(shape), dtype, device)
 
 
 def _i32(x: int) -> np.int32:
@@ -221,7 +270,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, H], weight: [H] -> [T, H] (fp32 statistics, cast back to x.dtype)."""
     x = x.contiguous()
     weight = _norm_weight(weight, x.dtype)
-    out = torch.empty_like(x)
+    out = _empty(x.shape, x.dtype, x.device)
     tokens, hidden = x.shape
     vec = vec_width(x.dtype, hidden)
     warps = norm_warps(hidden, vec)
@@ -237,7 +286,7 @@ def fused_add_rms_norm(
     """x, residual: [T, H] -> (rms_norm(x + residual) [T, H], x + residual [T, H])."""
     x, residual = x.contiguous(), residual.to(x.dtype).contiguous()
     weight = _norm_weight(weight, x.dtype)
-    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    out, residual_out = _empty(x.shape, x.dtype, x.device), _empty(x.shape, x.dtype, x.device)
     tokens, hidden = x.shape
     vec = vec_width(x.dtype, hidden)
     warps = norm_warps(hidden, vec)
@@ -259,8 +308,7 @@ def rotary_embedding(
     q, k = _last_dim_dense(q), _last_dim_dense(k).to(q.dtype)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(
-        k.shape, dtype=q.dtype, device=q.device)
+    q_out, k_out = _empty(q.shape, q.dtype, q.device), _empty(k.shape, q.dtype, q.device)
     if tokens:
         name = f"llmserve::rotary_kernel<{CTYPE[q.dtype]}, {'true' if interleaved else 'false'}>"
         _launch("rotary.cu", name, (tokens,), (_threads(max(num_heads, num_kv_heads) * head_dim // 2),),
@@ -274,7 +322,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:]  [T, I]."""
     x = x.contiguous()
     tokens, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty((tokens, inter), dtype=x.dtype, device=x.device)
+    out = _empty((tokens, inter), x.dtype, x.device)
     vec = vec_width(x.dtype, inter)
     threads = _threads(inter // vec)
     col_chunks = -(-inter // (threads * vec))
@@ -314,8 +362,8 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence over its paged context; GQA, fp32 accumulation, split-K when the
-    grid would leave SMs idle. q: [B, Hq, D], k_cache/v_cache: [num_blocks, bs, Hk, D],
+    """One query per sequence over its paged context; GQA, fp32 accumulation, split-K over
+    PARTITION_TOKENS-long partitions for long block tables. q: [B, Hq, D], k_cache/v_cache: [num_blocks, bs, Hk, D],
     block_tables: [B, max_blocks] int32, context_lens: [B] int32 -> [B, Hq, D]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -329,15 +377,14 @@ def paged_decode_attention(
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()
     max_blocks = block_tables.shape[1]
-    out = torch.empty_like(q)
+    out = _empty(q.shape, q.dtype, q.device)
     if num_seqs == 0:
         return out
-    plan = plan_decode(num_seqs, num_kv_heads, group, max_blocks, block_size, _num_sms(q.device.index or 0))
+    plan = plan_decode(group, max_blocks, block_size)
     parts = plan.num_partitions
-    part_acc = torch.empty((num_seqs, num_heads, parts, head_dim) if parts > 1 else (1,),
-                           dtype=torch.float32, device=q.device)
-    part_max = torch.empty((num_seqs, num_heads, parts) if parts > 1 else (1,), dtype=torch.float32, device=q.device)
-    part_sum = torch.empty_like(part_max)
+    part_acc = _empty((num_seqs, num_heads, parts, head_dim) if parts > 1 else (1,), torch.float32, q.device)
+    part_max = _empty((num_seqs, num_heads, parts) if parts > 1 else (1,), torch.float32, q.device)
+    part_sum = _empty(part_max.shape, torch.float32, q.device)
     _launch("paged_attention.cu", decode_kernel_name(q.dtype, head_dim, block_size, plan.group_max),
             plan.grid(num_seqs, num_kv_heads), (DECODE_WARPS * 32,),
             out, part_acc, part_max, part_sum, q, k_cache, v_cache, block_tables,
