@@ -33,6 +33,8 @@ class GatewaySettings(CommonSettings):
                                          "the request is cancelled")
     cancel_grace_s: float = setting(3.0, "after a cancel, how long to wait for the worker's final event")
     max_streams: int = setting(1024, "Redis connections for blocking event reads")
+    max_tenant_streams: int = setting(256, "most Generate/Complete streams one tenant may have open on this "
+                                           "gateway (re-attached ones included)")
 
     def validate(self) -> None:
         super().validate()
@@ -45,6 +47,8 @@ class GatewaySettings(CommonSettings):
         require(self.max_queue_wait_s > 0, "max_queue_wait_s", "must be > 0")
         require(self.events_ttl_s >= 10, "events_ttl_s", "must be >= 10")
         require(self.lease_ttl_s >= 1, "lease_ttl_s", "must be >= 1")
+        require(1 <= self.max_tenant_streams <= self.max_streams, "max_tenant_streams",
+                "must be in 1..max_streams")
         require(self.max_message_bytes > self.max_prompt_bytes, "max_message_bytes",
                 "must exceed max_prompt_bytes so oversize prompts get INVALID_ARGUMENT, not a transport error")
 

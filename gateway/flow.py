@@ -1,9 +1,12 @@
 """One Generate/Complete request, from admission to the last chunk.
 
+    every stream: a slot among this gateway's streams of the tenant (max_tenant_streams)
     new request:  model check → validate → tokenize → resolve sampling → shed check
                   → quota admit (one Lua call) → claim request meta → XADD WorkItem
     both:         XREAD BLOCK the events stream → OutputBuilder → chunks
-    resume:       request meta of the same tenant exists → attach from 0 / x-resume-from
+    resume:       request meta of the same tenant exists → attach from 0 / x-resume-from;
+                  the only viewer of a request that holds its lease carries that lease on,
+                  any other viewer takes a lease of its own (max_concurrent) while attached
 
 Exit paths (every one gives the lease back):
 
@@ -37,6 +40,7 @@ from gateway.models import ModelCatalog, ModelInfo
 from gateway.output import OutputBuilder
 from gateway.quota import Limits, Quota
 from gateway.shedding import Shedder
+from gateway.streams import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
 from gateway.watch import QueueWaitExceeded, Watch
@@ -103,26 +107,28 @@ class Flow:
         self.limits = RequestLimits(settings.max_prompt_bytes, settings.max_messages, settings.max_stop_strings,
                                     settings.max_stop_chars, settings.max_request_id_chars,
                                     settings.default_max_new_tokens)
+        self.streams = TenantStreams(settings.max_tenant_streams, settings.concurrency_retry_ms)
         self._background: set[asyncio.Task] = set()
 
     # -- entry ---------------------------------------------------------------------------------------------
     async def generate(self, call: Call, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         check_request_id(request.request_id, self.limits)
-        meta = await self._meta(call) if request.request_id else None
-        if meta is None:
-            meta = await self._submit(call, request)
-            if meta is None:  # lost a race with a concurrent identical request_id: attach to it
-                meta = await self._meta(call)
-        elif meta.error:  # a resume of a request that failed before it started fails the same way
-            raise Unavailable(meta.error)
-        else:
-            rem_req, rem_tok = await self.quota.peek(limits_of(call.tenant))
-            call.headers = [("x-ratelimit-remaining-requests", str(rem_req)),
-                            ("x-ratelimit-remaining-tokens", str(rem_tok))]
-        if meta is None:  # claimed by a concurrent submit that has not finished (or failed): retry
-            raise Unavailable(f"request {call.request_id} is being submitted; retry to attach")
-        async for chunk in self._stream(call, meta):
-            yield chunk
+        with self.streams.slot(call.tenant.id):
+            meta = await self._meta(call) if request.request_id else None
+            if meta is None:
+                meta = await self._submit(call, request)
+                if meta is None:  # lost a race with a concurrent identical request_id: attach to it
+                    meta = await self._meta(call)
+            elif meta.error:  # a resume of a request that failed before it started fails the same way
+                raise Unavailable(meta.error)
+            else:
+                rem_req, rem_tok = await self.quota.peek(limits_of(call.tenant))
+                call.headers = [("x-ratelimit-remaining-requests", str(rem_req)),
+                                ("x-ratelimit-remaining-tokens", str(rem_tok))]
+            if meta is None:  # claimed by a concurrent submit that has not finished (or failed): retry
+                raise Unavailable(f"request {call.request_id} is being submitted; retry to attach")
+            async for chunk in self._stream(call, meta):
+                yield chunk
 
     async def _meta(self, call: Call) -> Meta | None:
         raw = await self.redis.hgetall(keys.request_meta(call.tenant.id, call.request_id))
@@ -216,11 +222,11 @@ class Flow:
         model = self.catalog.get(meta.model)
         builder = OutputBuilder(call.request_id, model.tokenizer, meta.stops)
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
-        await self.redis.hincrby(keys.request_meta(call.tenant.id, call.request_id), "viewers", 1)
+        lease = await self._attach(call)
         metrics.IN_FLIGHT.inc()
         outcome, failure = "detached", ""
         try:
-            async for event in self._events(call, watch):
+            async for event in self._events(call, watch, lease):
                 chunk = builder.feed(event)
                 if chunk is None:
                     continue
@@ -246,9 +252,25 @@ class Flow:
             raise
         finally:
             metrics.IN_FLIGHT.dec()
-            self._spawn(self._finish(call, meta, builder, outcome, failure))
+            self._spawn(self._finish(call, meta, builder, outcome, failure, lease))
 
-    async def _events(self, call: Call, watch: Watch) -> AsyncIterator[queue_pb2.TokenEvent]:
+    async def _attach(self, call: Call) -> ViewerLease | None:
+        """Count this viewer. The only viewer of a request that still holds its lease carries that
+        lease on (None); any other (a second viewer, a replay of a finished request) takes a lease
+        of its own, or the attach is RESOURCE_EXHAUSTED at the tenant's max_concurrent."""
+        meta_key = keys.request_meta(call.tenant.id, call.request_id)
+        viewers = int(await self.redis.hincrby(meta_key, "viewers", 1))
+        if viewers == 1 and await self.quota.holds(call.tenant.id, call.request_id):
+            return None
+        try:
+            return await ViewerLease.take(self.quota, limits_of(call.tenant), call.request_id,
+                                          self.settings.lease_ttl_s)
+        except BaseException:
+            await self.redis.hincrby(meta_key, "viewers", -1)
+            raise
+
+    async def _events(self, call: Call, watch: Watch,
+                      lease: ViewerLease | None) -> AsyncIterator[queue_pb2.TokenEvent]:
         key = keys.events_stream(call.tenant.id, call.request_id)
         last_id = "0-0"
         while True:
@@ -260,6 +282,8 @@ class Flow:
                     event = queue_pb2.TokenEvent.FromString(fields[b"event"])
                     watch.saw_event(event)
                     yield event
+            if lease is not None:
+                await lease.keep()
             if not await watch.tick(bool(reply)):
                 return
 
@@ -270,10 +294,13 @@ class Flow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: str, failure: str = "") -> None:
+    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: str, failure: str = "",
+                      lease: ViewerLease | None = None) -> None:
         meta_key = keys.request_meta(call.tenant.id, call.request_id)
         used = meta.prompt_tokens + builder.next_index
         try:
+            if lease is not None:  # this viewer's own slot frees as it leaves
+                await lease.drop()
             if failure:
                 await self.redis.hset(meta_key, "error", failure)
             viewers = int(await self.redis.hincrby(meta_key, "viewers", -1))

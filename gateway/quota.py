@@ -17,6 +17,11 @@ Three limits, all keys under the tenant's hash tag `{t:<tenant>}`:
 
 No limit is charged unless every limit admits. Time is Redis `TIME`, so all
 gateways share one clock.
+
+Besides whole requests (`admit`): a Tokenize call is charged against the rate only
+(`charge_request`), and a stream viewer that re-attaches to a request takes a lease of
+its own (`lease`, no tokens) unless it carries on the request's, so resumes count
+against max_concurrent like the requests they watch.
 """
 
 from __future__ import annotations
@@ -85,6 +90,31 @@ redis.call('HSET', KEYS[4], rid, cost)
 redis.call('PEXPIRE', KEYS[4], ttl * 2)
 redis.call('HINCRBY', KEYS[5], 'reserved', cost)
 return {1, '', 0, remaining_requests, math.floor(level - cost)}
+"""
+
+# KEYS: rate   ARGV: interval_ms burst
+CHARGE_REQUEST = _NOW + """
+local T, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or now), now)
+local new_tat = tat + T
+local rate_wait = new_tat - burst * T - now
+if rate_wait > 0 then
+  return {0, math.ceil(rate_wait), 0}
+end
+redis.call('SET', KEYS[1], tostring(new_tat), 'PX', math.ceil(new_tat - now) + 1000)
+return {1, 0, math.floor((burst * T - (new_tat - now)) / T + 1e-9)}
+"""
+
+# KEYS: leases reserved   ARGV: max_concurrent lease_id lease_ttl_ms concurrency_retry_ms
+LEASE = _NOW + _EXPIRE_LEASES + """
+local maxc, lid, ttl, cretry = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+expire_leases(KEYS[1], KEYS[2], now)
+if redis.call('ZCARD', KEYS[1]) >= maxc then
+  return {0, cretry}
+end
+redis.call('ZADD', KEYS[1], now + ttl, lid)
+redis.call('PEXPIRE', KEYS[1], ttl * 2)
+return {1, 0}
 """
 
 # KEYS: tokens leases reserved ledger   ARGV: request_id used_tokens tokens_per_minute
@@ -165,6 +195,8 @@ class Quota:
         self._release = redis.register_script(RELEASE)
         self._renew = redis.register_script(RENEW)
         self._peek = redis.register_script(PEEK)
+        self._charge_request = redis.register_script(CHARGE_REQUEST)
+        self._lease = redis.register_script(LEASE)
 
     async def admit(self, limits: Limits, request_id: str, cost_tokens: int) -> Decision:
         """Charge one request and `cost_tokens` tokens and take a lease, or refuse with the limit hit."""
@@ -175,6 +207,28 @@ class Quota:
             keys=[k["rate"], k["tokens"], k["leases"], k["reserved"], k["ledger"]], args=args)
         limit = limit.decode() if isinstance(limit, bytes) else str(limit)
         return Decision(bool(ok), limit, int(retry), max(0, int(rem_req)), max(0, int(rem_tok)))
+
+    async def charge_request(self, limits: Limits) -> Decision:
+        """Charge one request against the rate only (no tokens, no lease): a Tokenize call."""
+        ok, retry, rem_req = await self._charge_request(keys=[tenant_keys(limits.tenant)["rate"]],
+                                                        args=[repr(limits.interval_ms), limits.burst])
+        return Decision(bool(ok), "" if ok else "requests_per_second", int(retry), max(0, int(rem_req)), 0)
+
+    async def lease(self, limits: Limits, lease_id: str) -> Decision:
+        """Take a concurrency lease under `lease_id` (renew with `renew`, give back with `drop_lease`),
+        or refuse with limit max_concurrent."""
+        k = tenant_keys(limits.tenant)
+        ok, retry = await self._lease(keys=[k["leases"], k["reserved"]],
+                                      args=[limits.max_concurrent, lease_id, self.lease_ttl_ms,
+                                            self.concurrency_retry_ms])
+        return Decision(bool(ok), "" if ok else "max_concurrent", int(retry), 0, 0)
+
+    async def holds(self, tenant: str, lease_id: str) -> bool:
+        """Whether the lease `lease_id` is held (an expired one may count until the next admission)."""
+        return await self.redis.zscore(tenant_keys(tenant)["leases"], lease_id) is not None
+
+    async def drop_lease(self, tenant: str, lease_id: str) -> None:
+        await self.redis.zrem(tenant_keys(tenant)["leases"], lease_id)
 
     async def release(self, limits: Limits, request_id: str, used_tokens: int) -> int:
         """Drop the lease and refund reserved - used tokens; -1 when already released (idempotent)."""

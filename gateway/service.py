@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from llmserve import redis_client
-from llmserve.errors import InvalidArgument
+from llmserve.errors import InvalidArgument, ResourceExhausted
 from llmserve.log import bind_request
 from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
@@ -190,9 +190,18 @@ class InferenceService:
     async def _tokenize(self, call: Call, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         model = self.flow.model_for(call, request)
         check_input(request.text, request.messages, self.flow.limits, prompt_field="text")
+        await self._charge_request(call)
         ids = await self.catalog.encode(model.id, request.text, request.messages, call.deadline,
                                         call.tenant.raw_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
+
+    async def _charge_request(self, call: Call) -> None:
+        """A call that uses the shared tokenizer pool counts against the tenant's request rate."""
+        decision = await self.quota.charge_request(limits_of(call.tenant))
+        if not decision.admitted:
+            metrics.REJECTIONS.labels(call.tenant.id, decision.limit).inc()
+            raise ResourceExhausted(decision.limit, decision.retry_after_ms,
+                                    f"quota exceeded: {decision.limit}; retry after {decision.retry_after_ms} ms")
 
     async def _list_models(self, call: Call, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[m for m in self.catalog.list() if call.tenant.may_use(m.id)])

@@ -2,6 +2,7 @@
 scripted worker writing real event streams (tests/integration/gateway_harness.py)."""
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -30,6 +31,10 @@ tenants:
   - {{id: raw, api_keys: ["sha256:{hash_key('raw-key')}"], requests_per_second: 1000, burst: 1000,
      tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"],
      raw_special_tokens: true}}
+  - {{id: tok, api_keys: ["sha256:{hash_key('tok-key')}"], requests_per_second: 0.1, burst: 3,
+     tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
+  - {{id: single, api_keys: ["sha256:{hash_key('single-key')}"], requests_per_second: 1000, burst: 1000,
+     tokens_per_minute: 10000000, max_concurrent: 1, max_new_tokens: 64, priority: normal, models: ["*"]}}
   - {{id: fenced, api_keys: ["sha256:{hash_key('fenced-key')}"], requests_per_second: 10, burst: 10,
      tokens_per_minute: 100000, max_concurrent: 4, max_new_tokens: 64, priority: normal, models: ["llama-70b"]}}
 """
@@ -345,3 +350,103 @@ async def test_dispatched_request_outlives_max_queue_wait(env):
     """Past max_queue_wait_s a request that left the work stream (dispatched, e.g. in a long prefill) goes on."""
     chunks, _ = await stream(env, req("late-longwait"))   # first event after 3 s > max_queue_wait_s (2 s)
     assert "".join(c.text for c in chunks) == ANSWER and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+# -- everything metered: Tokenize, re-attach, streams per tenant ------------------------------------------
+TOK = (("authorization", "Bearer tok-key"),)
+SINGLE = (("authorization", "Bearer single-key"),)
+
+
+async def test_tokenize_flood_is_resource_exhausted_and_spends_the_request_rate(env):
+    calls = [env.stub.Tokenize(pb.TokenizeRequest(text=f"flood {i}"), metadata=TOK, timeout=30) for i in range(12)]
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert 3 <= len(results) - len(refused) <= 4                    # burst 3 (and one more per 10 s)
+    assert refused and {r.code() for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert "requests_per_second" in refused[0].details()
+    assert 0 < int(dict(refused[0].trailing_metadata())["retry-after-ms"]) <= 10_000
+    # one rate for both: the flood used up the tenant's Generate budget too, and nobody else's
+    err = await status_of(env.stub.Complete(req(), metadata=TOK, timeout=30))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (await env.stub.Tokenize(pb.TokenizeRequest(text="fine"), metadata=ACME, timeout=30)).token_ids
+
+
+async def leases_of(env, tenant) -> int:
+    return await env.redis.zcard(tenant_keys(tenant)["leases"])
+
+
+async def test_reattach_beyond_max_concurrent_is_refused(env):
+    call = env.stub.Generate(req("slow-attach", max_new_tokens=40), metadata=SINGLE, timeout=60)
+    assert (await call.read()).index == 0
+    # a second viewer of the running request needs a lease of its own: the tenant's only one is taken
+    err = await status_of(stream(env, req("slow-attach", max_new_tokens=40), metadata=SINGLE))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in err.details()
+    assert int(dict(err.trailing_metadata())["retry-after-ms"]) > 0
+    rest = await read_rest(call)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert await eventually(lambda: lease_gone("single", "slow-attach", env))
+    # the request finished and gave its lease back: a replay holds one while attached, then frees it
+    replay, _ = await stream(env, req("slow-attach", max_new_tokens=40), metadata=SINGLE)
+    assert replay[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert await eventually(lambda: _async_true_after(leases_of(env, "single"), 0))
+
+
+async def _async_true_after(count, expected) -> bool:
+    return await count == expected
+
+
+async def test_replay_of_a_finished_request_needs_a_free_lease(env):
+    await env.stub.Complete(req("single-replay"), metadata=SINGLE, timeout=30)
+    assert await eventually(lambda: lease_gone("single", "single-replay", env))
+    busy = env.stub.Generate(req("slow-single-busy", max_new_tokens=30), metadata=SINGLE, timeout=60)
+    await busy.read()
+    # the tenant's one lease is taken by the running request: replaying a finished one is refused
+    err = await status_of(stream(env, req("single-replay"), metadata=SINGLE))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in err.details()
+    await read_rest(busy)
+    assert await eventually(lambda: _async_true_after(leases_of(env, "single"), 0))
+    replay, _ = await stream(env, req("single-replay"), metadata=SINGLE)
+    assert replay[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_resume_after_a_disconnect_carries_the_requests_lease_on(env):
+    """The resume story still works at max_concurrent 1: a lone resumer takes over the lease."""
+    call = env.stub.Generate(req("slow-resume", max_new_tokens=30), metadata=SINGLE, timeout=60)
+    await call.read()
+    call.cancel()
+    meta_key = keys.request_meta("single", "slow-resume")
+    assert await eventually(lambda: _async_true_after(env.redis.hget(meta_key, "viewers"), b"0"))
+    chunks, _ = await stream(env, req("slow-resume", max_new_tokens=30), metadata=SINGLE)
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH and chunks[-1].usage.completion_tokens == 30
+    assert await eventually(lambda: _async_true_after(leases_of(env, "single"), 0))
+
+
+async def test_one_tenant_cannot_take_every_stream_of_a_gateway(env):
+    settings = dataclasses.replace(env.settings, max_tenant_streams=2)
+    service = InferenceService(settings)
+    handle = await start_server(service, settings, settings.max_message_bytes)
+    await service.start()
+    await handle.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    held = [stub.Generate(req(f"slow-cap-{i}"), metadata=ACME, timeout=60) for i in range(2)]
+    try:
+        for call in held:
+            await call.read()
+        err = await status_of(stub.Complete(req(), metadata=ACME, timeout=30))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_tenant_streams" in err.details()
+        assert int(dict(err.trailing_metadata())["retry-after-ms"]) > 0
+        # a re-attach counts as a stream too
+        err = await status_of(stub.Complete(req("slow-cap-0"), metadata=ACME, timeout=30))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # another tenant still streams through this gateway
+        assert (await stub.Complete(req(), metadata=OTHER, timeout=30)).text == ANSWER
+        held.pop().cancel()
+        assert await eventually(lambda: _async_true(service.flow.streams.open["acme"] == 1))
+        assert (await stub.Complete(req(), metadata=ACME, timeout=30)).text == ANSWER
+    finally:
+        for call in held:
+            call.cancel()
+        await channel.close()
+        await handle.server.stop(0)
+        await service.close()
