@@ -1,8 +1,8 @@
 """gRPC server bootstrap shared by every service.
 
 `serve()` runs one `Service` behind a grpc.aio server with the health service,
-reflection, the exception interceptor and Prometheus metrics, and stops it
-gracefully:
+reflection (unless `--reflection false`), the exception interceptor and Prometheus
+metrics, and stops it gracefully:
 
     SIGTERM/SIGINT ─▶ health NOT_SERVING ─▶ service.drain() ─▶ server.stop(grace)
                    ─▶ service.close() ─▶ exit 0
@@ -10,6 +10,10 @@ gracefully:
 A service whose background work died (`service.failure` set, then the stop event)
 skips the drain: health NOT_SERVING ─▶ server.stop(0) ─▶ service.close() ─▶ exit 1,
 so its supervisor (`llmserve up`, compose, Kubernetes) starts a fresh one.
+
+With `--tls-cert/--tls-key` the port speaks TLS only; a renewed certificate (cert-manager
+rewriting its Secret) is picked up at the next handshake. `--health-port` adds a plaintext
+port that serves grpc.health.v1 and nothing else, for probes that cannot speak TLS.
 
 The port is bound before anything else (port 0 = the kernel picks one) and, with
 `--port-file`, written there for the supervisor: no port is ever picked before binding.
@@ -148,22 +152,71 @@ def _wrap_stream(behavior):
 def _bind(server: grpc.aio.Server, settings: CommonSettings) -> int:
     address = f"{settings.host}:{settings.port}"
     if settings.tls_cert:
-        key = Path(settings.tls_key).read_bytes()
-        cert = Path(settings.tls_cert).read_bytes()
-        return server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        return server.add_secure_port(address, tls_credentials(settings.tls_cert, settings.tls_key))
     return server.add_insecure_port(address)
+
+
+def _file_stamp(*paths: str) -> tuple:
+    return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, paths))
+
+
+def tls_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
+    """Server TLS from PEM files, re-read at the first handshake after either file changed (a Secret
+    volume swaps both at once); connections already open keep the certificate they got."""
+    def configuration() -> grpc.ServerCertificateConfiguration:
+        key, cert = Path(key_path).read_bytes(), Path(cert_path).read_bytes()
+        return grpc.ssl_server_certificate_configuration([(key, cert)])
+
+    loaded = {"stamp": _file_stamp(cert_path, key_path)}
+    initial = configuration()
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        try:
+            stamp = _file_stamp(cert_path, key_path)
+            if stamp == loaded["stamp"]:
+                return None
+            fresh = configuration()
+        except OSError as exc:      # mid-rotation: keep serving the current certificate
+            logger.warning("tls certificate not reloaded", error=repr(exc))
+            return None
+        loaded["stamp"] = stamp
+        logger.info("tls certificate reloaded", cert=cert_path)
+        return fresh
+
+    return grpc.dynamic_ssl_server_credentials(initial, fetch)
+
+
+async def _start_health_server(health_servicer: health.aio.HealthServicer,
+                               settings: CommonSettings) -> tuple[grpc.aio.Server | None, int]:
+    """The plaintext health-only server on settings.health_port (None when it is 0)."""
+    if not settings.health_port:
+        return None, 0
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+    await server.start()
+    return server, port
 
 
 class ServerHandle:
     """A started server and its health state."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 names: Sequence[str], port: int, interceptor: ExceptionInterceptor) -> None:
+                 names: Sequence[str], port: int, interceptor: ExceptionInterceptor,
+                 health_server: grpc.aio.Server | None = None, health_port: int = 0) -> None:
         self.server = server
         self.health = health_servicer
         self.names = names
         self.port = port
         self.interceptor = interceptor
+        self.health_server = health_server
+        self.health_port = health_port
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Stop the server (in-flight calls get `grace_s`); the health port answers until then."""
+        await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
     async def set_serving(self, serving: bool) -> None:
         """Report SERVING / NOT_SERVING; the first SERVING also opens the service's own RPCs."""
@@ -187,10 +240,12 @@ async def start_server(service: Service, settings: CommonSettings,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service.service_names)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if settings.reflection:
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     port = _bind(server, settings)
     await server.start()
-    handle = ServerHandle(server, health_servicer, names, port, interceptor)
+    health_server, health_port = await _start_health_server(health_servicer, settings)
+    handle = ServerHandle(server, health_servicer, names, port, interceptor, health_server, health_port)
     await handle.set_serving(False)
     return handle
 
@@ -226,14 +281,15 @@ async def serve(service: Service, settings: CommonSettings, name: str,
     await service.start()
     if not stop.is_set():
         await handle.set_serving(True)
-        logger.info("serving", address=f"{settings.host}:{handle.port}", metrics_port=settings.metrics_port)
+        logger.info("serving", address=f"{settings.host}:{handle.port}", metrics_port=settings.metrics_port,
+                    tls=bool(settings.tls_cert), reflection=settings.reflection, health_port=handle.health_port)
     await stop.wait()
     if getattr(service, "failure", None) is not None:
         return await _stop_failed(service, handle)
     logger.info("stopping", grace_s=settings.grace_s)
     await handle.set_serving(False)
     await service.drain()
-    await handle.server.stop(settings.grace_s)
+    await handle.stop(settings.grace_s)
     await service.close()
     logger.info("stopped")
     return 0
@@ -242,6 +298,6 @@ async def serve(service: Service, settings: CommonSettings, name: str,
 async def _stop_failed(service: Service, handle: ServerHandle) -> int:
     logger.error("service failed; exiting for the supervisor to restart it", error=repr(service.failure))
     await handle.set_serving(False)
-    await handle.server.stop(0)
+    await handle.stop(0)
     await service.close()
     return 1

@@ -158,13 +158,17 @@ class CommonSettings(BaseSettings):
     redis_password: str = setting("", "Redis password (overrides the URL's)", secret=True)
     log_level: str = setting("info", "debug, info, warning or error")
     grace_s: float = setting(10.0, "seconds to finish in-flight work on SIGTERM")
-    tls_cert: str = setting("", "PEM certificate file; with tls_key turns on TLS")
+    tls_cert: str = setting("", "PEM certificate file; with tls_key turns on TLS (re-read when the file changes)")
     tls_key: str = setting("", "PEM private key file", secret=False)
+    reflection: bool = setting(True, "serve gRPC server reflection (turn it off on a public port)")
+    health_port: int = setting(0, "extra plaintext port serving grpc.health.v1 only, for probes that cannot "
+                                  "speak TLS (kubelet); 0 = none")
 
     def validate(self) -> None:
         super().validate()
         require(0 <= self.port < 65536, "port", "must be in 0..65535")
         require(0 <= self.metrics_port < 65536, "metrics_port", "must be in 0..65535")
+        require(0 <= self.health_port < 65536, "health_port", "must be in 0..65535")
         require(self.log_level in ("debug", "info", "warning", "error"), "log_level",
                 "must be debug, info, warning or error")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")

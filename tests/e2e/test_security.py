@@ -1,8 +1,9 @@
 """Security, tried the way an attacker would: probing another tenant's prompts through the
-prefix cache, request-id isolation, no secrets in logs, Redis password, gRPC TLS.
+prefix cache, role injection, quota bypass through Tokenize and re-attach, request-id
+isolation, no secrets in logs, Redis password, gRPC TLS without reflection.
 
 One stack of its own (tests/data/tenants.test.yaml, a password-protected Valkey,
-TLS on the gateway) serves every test here. The prefix-cache probes run first, on a
+TLS and reflection off on the gateway) serves every test here. The prefix-cache probes run first, on a
 worker whose cache counters nothing else has touched yet; the log check runs last.
 """
 
@@ -16,6 +17,7 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from llmserve.stack import Stack, StackConfig
 from llmserve.v1 import inference_pb2 as pb
@@ -77,7 +79,8 @@ def secure(tmp_path_factory):
     valkey = ValkeyServer(password=REDIS_PASSWORD).start()
     config = StackConfig(workers=1, device="cpu", port=0, gateways=0, tenants=TENANTS, redis_url=valkey.url,
                          log_dir=directory / "logs",
-                         extra_flags={"gateway": ["--tls-cert", str(cert), "--tls-key", str(key)]})
+                         extra_flags={"gateway": ["--tls-cert", str(cert), "--tls-key", str(key),
+                                                  "--reflection", "false"]})
     stack = Stack(config)
     try:
         stack.start()
@@ -226,6 +229,14 @@ def test_client_that_does_not_trust_the_cert_is_refused(secure, tmp_path):
         code = rpc_code(inference_pb2_grpc.InferenceStub(channel).ListModels, pb.ListModelsRequest(),
                         metadata=auth("dev"), timeout=10)
     assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_public_port_does_not_describe_itself_through_reflection(secure):
+    with tls_channel(secure.target, secure.root_cert) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                            timeout=10)
+        assert rpc_code(list, replies) == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_redis_refuses_clients_without_the_password(secure):

@@ -274,9 +274,12 @@ def test_manifest_env_and_flags_are_real_settings(name):
         assert settings.host == "0.0.0.0"
         port = int(env["LLMSERVE_PORT"])
         assert settings.port == port and settings.metrics_port == 9100
-        assert {p["containerPort"] for p in container["ports"]} == {port, 9100}
+        assert {p["containerPort"] for p in container["ports"]} == {port, 9100} | ({settings.health_port} - {0})
+        # kubelet's gRPC probe speaks no TLS: a TLS service is probed on its plaintext health-only port
+        probe_port = settings.health_port if settings.tls_cert else port
         for probe in ("readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"]["port"] == port, f"{service} {probe} must use gRPC health on {port}"
+            assert container[probe]["grpc"]["port"] == probe_port, \
+                f"{service} {probe} must use gRPC health on {probe_port}"
         seen.add(service)
     assert seen == set(SERVICES)
 
@@ -443,6 +446,38 @@ def test_secrets_live_in_dev_only_and_dev_tenants_parse():
                 ref = var.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
                     assert ref["name"] == "llmserve-secrets" and ref["key"] in secret
+
+
+def mounted_secret_file(workload: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the Secret volume file a container sees at `path`."""
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+    assert "subPath" not in mount, "a subPath mount never sees a renewed Secret"
+    volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    name = path[len(mount["mountPath"].rstrip("/")) + 1:]
+    items = {i["path"]: i["key"] for i in volume["secret"].get("items", [])}
+    return volume["secret"]["secretName"], items[name] if items else name
+
+
+def test_prod_gateway_terminates_tls_from_a_tls_secret_and_turns_reflection_off():
+    rendered = RENDERED["prod"]
+    workload = by_kind(rendered, "Deployment")["gateway"]
+    container = workload["spec"]["template"]["spec"]["containers"][0]
+    settings = settings_class("gateway").load([], env=container_env(rendered, container))
+    assert settings.reflection is False
+    # the cert and key are the tls.crt / tls.key of one kubernetes.io/tls Secret (what cert-manager writes)
+    assert mounted_secret_file(workload, container, settings.tls_cert) == ("gateway-tls", "tls.crt")
+    assert mounted_secret_file(workload, container, settings.tls_key) == ("gateway-tls", "tls.key")
+    # the plaintext health port is for kubelet only: no Service sends traffic there, no policy opens it
+    health = next(p["name"] for p in container["ports"] if p["containerPort"] == settings.health_port)
+    for svc in by_kind(rendered, "Service").values():
+        assert all(p["targetPort"] not in (health, settings.health_port) for p in svc["spec"]["ports"])
+    for policy in by_kind(rendered, "NetworkPolicy").values():
+        for rule in policy["spec"].get("ingress", []):
+            assert settings.health_port not in [p.get("port") for p in rule.get("ports", [])]
+    # dev keeps plaintext and reflection (grpcurl against a laptop cluster)
+    dev = by_kind(RENDERED["dev"], "Deployment")["gateway"]["spec"]["template"]["spec"]["containers"][0]
+    dev_settings = settings_class("gateway").load([], env=container_env(RENDERED["dev"], dev))
+    assert dev_settings.reflection and not dev_settings.tls_cert
 
 
 def test_only_the_gateway_is_reachable_from_outside():
