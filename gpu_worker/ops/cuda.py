@@ -85,6 +85,18 @@ def vec_width(dtype: torch.dtype, *sizes: int) -> int:
     return 8 if all(s % 8 == 0 for s in sizes) else 1
 
 
+def _aligned16(t: torch.Tensor) -> bool:
+    """16-byte accesses are legal on every row: the base is 16-byte aligned, row strides 8 elements."""
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def _vec_for(sizes: tuple[int, ...], *tensors: torch.Tensor) -> int:
+    """vec_width, or 1 when a tensor is not 16-byte aligned (a view at an odd offset): a misaligned
+    16-byte access faults on the GPU."""
+    vec = vec_width(tensors[0].dtype, *sizes)
+    return vec if vec == 1 or all(_aligned16(t) for t in tensors) else 1
+
+
 def norm_warps(hidden: int, vec: int) -> int:
     return 8 if hidden // vec >= 256 else 4
 
@@ -272,7 +284,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     weight = _norm_weight(weight, x.dtype)
     out = _empty(x.shape, x.dtype, x.device)
     tokens, hidden = x.shape
-    vec = vec_width(x.dtype, hidden)
+    vec = _vec_for((hidden,), x, weight, out)
     warps = norm_warps(hidden, vec)
     if tokens:
         _launch("layernorm.cu", norm_kernel_name(False, x.dtype, weight.dtype, vec, warps), (tokens,),
@@ -288,7 +300,7 @@ def fused_add_rms_norm(
     weight = _norm_weight(weight, x.dtype)
     out, residual_out = _empty(x.shape, x.dtype, x.device), _empty(x.shape, x.dtype, x.device)
     tokens, hidden = x.shape
-    vec = vec_width(x.dtype, hidden)
+    vec = _vec_for((hidden,), x, residual, weight, out, residual_out)
     warps = norm_warps(hidden, vec)
     if tokens:
         _launch("layernorm.cu", norm_kernel_name(True, x.dtype, weight.dtype, vec, warps), (tokens,),
@@ -323,17 +335,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     tokens, inter = x.shape[0], x.shape[1] // 2
     out = _empty((tokens, inter), x.dtype, x.device)
-    vec = vec_width(x.dtype, inter)
+    vec = _vec_for((inter,), x, out)
     threads = _threads(inter // vec)
     col_chunks = -(-inter // (threads * vec))
     if tokens:
         _launch("activation.cu", f"llmserve::silu_and_mul_kernel<{CTYPE[x.dtype]}, {vec}>",
                 (tokens, col_chunks), (threads,), out, x, _i32(inter))
     return out
-
-
-def _aligned16(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
 
 
 def write_kv_cache(
@@ -347,6 +355,7 @@ def write_kv_cache(
     vec = vec_width(dtype, head_dim)
     if vec == 8 and not (_aligned16(k) and _aligned16(v)):
         k, v = k.contiguous(), v.contiguous()
+    vec = _vec_for((head_dim,), k, v, k_cache, v_cache)  # .contiguous() keeps a misaligned dense view
     if tokens:
         _launch("kv_cache.cu", f"llmserve::write_kv_cache_kernel<{CTYPE[dtype]}, {vec}>", (tokens,),
                 (_threads(num_kv_heads * head_dim // vec),), k_cache, v_cache, k, v,
@@ -372,7 +381,8 @@ def paged_decode_attention(
 
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV cache must be contiguous"
-    q = q.contiguous()
+    assert _aligned16(k_cache) and _aligned16(v_cache), "KV cache must be 16-byte aligned"
+    q = q.contiguous() if _aligned16(q) else q.clone(memory_format=torch.contiguous_format)  # fresh: aligned
     group = num_heads // num_kv_heads
     block_tables = block_tables.to(torch.int32).contiguous()
     context_lens = context_lens.to(torch.int32).contiguous()

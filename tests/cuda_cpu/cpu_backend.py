@@ -129,7 +129,7 @@ def translation_unit(source_path: Path, expressions: list[str]) -> str:
 
 def _build_key(source_path: Path, expressions: list[str], flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for path in sorted({source_path, SHIM, *source_path.parent.glob("*.cuh")}):
+    for path in sorted({source_path, SHIM, *source_path.parent.glob("*.cuh"), *cuda.KERNEL_DIR.glob("*.cuh")}):
         h.update(str(path).encode() + b"\0" + path.read_bytes())
     h.update("\0".join([*expressions, *flags, CXX or ""]).encode())
     return h.hexdigest()[:24]
@@ -146,7 +146,7 @@ def build(source_path: Path, expressions: list[str], asan: bool | None = None) -
         tu.write_text(translation_unit(source_path, expressions))
         obj = Path(tmp) / "kernels.o"
         # compiled with -fsanitize=alignment but linked without the UBSan runtime: cuda_shim.h is its handler
-        _run([CXX, *BASE_FLAGS, *flags, f"-I{SHIM.parent}", "-c", str(tu), "-o", str(obj)])
+        _run([CXX, *BASE_FLAGS, *flags, f"-I{SHIM.parent}", f"-I{cuda.KERNEL_DIR}", "-c", str(tu), "-o", str(obj)])
         link_asan = ["-fsanitize=address"] if "-fsanitize=address,alignment" in flags else []
         _run([CXX, "-shared", *link_asan, str(obj), "-o", str(Path(tmp) / "k.so")])
         os.replace(Path(tmp) / "k.so", target)

@@ -182,6 +182,9 @@ struct Fiber {
   unsigned shfl_mask = 0;   // this lane's pending shuffle
   int shfl_src = 0;
   uint64_t shfl_value = 0;
+  int shuffles = 0;         // shuffles completed, and the mask and site of the last one
+  unsigned last_mask = 0;
+  Site last_site;
   void* fake_stack = nullptr;  // AddressSanitizer's bookkeeping of the switched-out stack
 };
 
@@ -354,11 +357,22 @@ inline void check_shuffle_arrival(const Fiber& me, unsigned mask, const Site& si
          std::to_string(lane) + " (" + thread_name(me) + ")");
   const Fiber* lanes = warp_lanes(me);
   const int width = warp_width(me);
+  for (int l = 0; l < width; ++l) {  // a lane waiting for this one with another mask
+    const Fiber& o = lanes[l];
+    if (o.wait == Wait::SHUFFLE && ((o.shfl_mask >> lane) & 1u) && (o.shfl_mask != mask || !(o.site == site)))
+      fail("__shfl_xor_sync: mismatched masks in one warp: " + hex(o.shfl_mask) + " at " + o.site.str() +
+           " (lane " + std::to_string(l) + ") vs " + hex(mask) + " at " + site.str() + " (lane " +
+           std::to_string(lane) + ")");
+  }
   for (int l = 0; l < 32; ++l) {
     if (!((mask >> l) & 1u)) continue;
     if (l >= width) fail("__shfl_xor_sync at " + site.str() + ": mask " + hex(mask) + " names lane " +
                          std::to_string(l) + " beyond the block (" + thread_name(me) + ")");
     const Fiber& o = lanes[l];
+    if (o.wait != Wait::SHUFFLE && o.shuffles > me.shuffles && o.last_site == site && o.last_mask != mask)
+      fail("__shfl_xor_sync at " + site.str() + ": mismatched masks in one warp: lane " + std::to_string(l) +
+           " shuffled here with mask " + hex(o.last_mask) + ", lane " + std::to_string(lane) + " comes with " +
+           hex(mask));
     if (o.wait == Wait::DONE)
       fail("__shfl_xor_sync at " + site.str() + ": lane " + std::to_string(l) + " of the mask has exited");
     if (o.wait == Wait::SHUFFLE && (o.shfl_mask != mask || !(o.site == site)))
@@ -383,6 +397,9 @@ inline void complete_shuffle(Fiber* lanes, unsigned mask) {
     if (!((mask >> l) & 1u)) continue;
     lanes[l].shfl_value = got[l];
     lanes[l].wait = Wait::RUNNING;
+    lanes[l].last_mask = mask;
+    lanes[l].last_site = lanes[l].site;
+    ++lanes[l].shuffles;
   }
 }
 
@@ -462,6 +479,11 @@ extern "C" __attribute__((visibility("hidden"))) void cudashim_fiber_main() {
   --rt.live;
   if (rt.at_barrier > 0)
     fail("__syncthreads() at " + rt.barrier_site.str() + " is waited at while " + thread_name(me) + " exited");
+  const Fiber* lanes = warp_lanes(me);
+  for (int l = 0; l < warp_width(me); ++l)
+    if (lanes[l].wait == Wait::SHUFFLE && ((lanes[l].shfl_mask >> (me.linear % 32)) & 1u))
+      fail("__shfl_xor_sync at " + lanes[l].site.str() + " with mask " + hex(lanes[l].shfl_mask) +
+           " is waited at while its lane " + std::to_string(me.linear % 32) + " exited");
   for (;;) switch_to_scheduler(true);
 }
 
@@ -494,9 +516,10 @@ struct UbsanMismatch {
 }  // namespace cudashim
 
 extern "C" void __ubsan_handle_type_mismatch_v1(cudashim::UbsanMismatch* d, uintptr_t ptr) {
-  const char* what = d->check_kind == 0 ? "load" : d->check_kind == 1 ? "store" : "access";
+  static const char* const kinds[] = {"load of", "store to", "reference binding to", "member access within"};
+  const char* what = d->check_kind < 4 ? kinds[d->check_kind] : "use of";
   const cudashim::Site site{d->loc.file, static_cast<int>(d->loc.line)};
-  cudashim::fail(std::string("misaligned ") + what + " of '" + d->type->name + "' (needs " +
+  cudashim::fail(std::string("misaligned ") + what + " " + d->type->name + " (needs " +
                  std::to_string(1u << d->log_alignment) + "-byte alignment) at address offset " +
                  std::to_string(ptr % (1u << d->log_alignment)) + ", " + site.str() + " (" +
                  cudashim::thread_name(*cudashim::rt.current) + ")");
