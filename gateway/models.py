@@ -60,16 +60,20 @@ class ModelCatalog:
 
     async def _tokenizer_info(self, model_id: str) -> tokenizer_pb2.TokenizerInfo:
         """GetTokenizerInfo; UNIMPLEMENTED means the target is some other gRPC server (a port
-        taken over, a wrong address): said clearly, and retried like an absent tokenizer."""
+        taken over, a wrong address): said clearly, and retried like an absent tokenizer. A call
+        that waited its whole timeout for a tokenizer still starting is retried too."""
         try:
             return await self.stub.GetTokenizerInfo(tokenizer_pb2.TokenizerInfoRequest(model=model_id),
                                                     timeout=self.timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            logger.error("tokenizer target is not a tokenizer service; retrying", target=self.target,
-                         details=exc.details())
-            raise Unavailable(f"{self.target} does not serve llmserve.v1.Tokenizer") from exc
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                logger.error("tokenizer target is not a tokenizer service; retrying", target=self.target,
+                             details=exc.details())
+                raise Unavailable(f"{self.target} does not serve llmserve.v1.Tokenizer") from exc
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                logger.warning("tokenizer service not reached yet; retrying", target=self.target)
+                raise Unavailable(f"{self.target} did not answer within {self.timeout_s} s") from exc
+            raise
 
     def get(self, model: str) -> ModelInfo:
         """The served model `model` (empty = default); INVALID_ARGUMENT for one this gateway does not serve."""

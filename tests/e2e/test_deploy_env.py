@@ -61,25 +61,23 @@ def valkey():
 def test_dev_overlay_config_serves_and_drains(valkey, tmp_path, auth_metadata):
     objects = render_dev()
     deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
-    ports = {name: free_port() for name in START_ORDER}
     procs: dict[str, ServiceProcess] = {}
     try:
         for name in START_ORDER:
             container = deployments[name]["spec"]["template"]["spec"]["containers"][0]
             env = pod_env(objects, container, POD_NAMES[name])
-            env.update(LLMSERVE_HOST="127.0.0.1", LLMSERVE_PORT=str(ports[name]),
+            env.update(LLMSERVE_HOST="127.0.0.1",
                        LLMSERVE_METRICS_PORT=str(free_port()), LLMSERVE_REDIS_URL=valkey.url, PYTHONUNBUFFERED="1")
             if name == "gateway":
                 env["LLMSERVE_TOKENIZER_TARGET"] = env["LLMSERVE_TOKENIZER_TARGET"].replace(
-                    "tokenizer:50052", f"127.0.0.1:{ports['tokenizer']}")
+                    "tokenizer:50052", procs["tokenizer"].target)
                 env["LLMSERVE_TENANTS"] = str(REPO_ROOT / "deploy" / "tenants.dev.yaml")
             command = container["command"] + container.get("args", [])
             assert command[:2] == ["python", "-m"]
-            procs[name] = ServiceProcess(name, command[2], command[3:], ports[name], tmp_path / f"{name}.log",
-                                         env).start()
+            procs[name] = ServiceProcess(name, command[2], command[3:], 0, tmp_path / f"{name}.log", env).start()
             procs[name].wait_serving(time.monotonic() + 300)
 
-        with grpc.insecure_channel(f"127.0.0.1:{ports['gateway']}") as channel:
+        with grpc.insecure_channel(procs["gateway"].target) as channel:
             reply = inference_pb2_grpc.InferenceStub(channel).Complete(
                 pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="What is the capital of France?")],
                                    sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=16)),

@@ -12,7 +12,6 @@ from gateway.service import InferenceService
 from llmserve import redis_client
 from llmserve.client import AsyncClient, Client, LLMServeError
 from llmserve.server import start_server
-from llmserve.valkey import free_port
 from tokenizer_svc.loader import load_tokenizer
 
 from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
@@ -43,8 +42,8 @@ async def env(redis_url, smollm2_path, tmp_path_factory):
     e.tok_server, e.tok_target = await start_tokenizer_server(e.mt)
     e.tenants = tmp_path_factory.mktemp("gwc") / "tenants.yaml"
     e.tenants.write_text(TENANTS)
-    e.port = free_port()
-    e.gateways = [await start_gateway(e, e.port)]
+    e.gateways = [await start_gateway(e, 0)]         # the kernel picks the port; a restart reuses it
+    e.port = e.gateways[0][1].port
     e.worker = ScriptedWorker(e.redis, e.mt.encode(ANSWER))
     e.worker_task = asyncio.create_task(e.worker.run())
     e.target = f"127.0.0.1:{e.port}"

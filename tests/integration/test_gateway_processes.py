@@ -43,19 +43,18 @@ async def cluster(redis_url, smollm2_path, tmp_path_factory):
     await redis.flushall()
     deadline = time.monotonic() + 240
     common = ["--host", "127.0.0.1", "--redis-url", redis_url]
-    tok_port = free_port()
-    tok = ServiceProcess("tokenizer_svc", "tokenizer_svc", [*common, "--port", str(tok_port), "--models", MODEL,
-                                                              "--workers", "1"], tok_port, logs / "tok.log", None)
+    tok = ServiceProcess("tokenizer_svc", "tokenizer_svc", [*common, "--models", MODEL, "--workers", "1"], 0,
+                         logs / "tok.log", None)
     procs = [tok.start()]
     gateways = []
     try:
         await asyncio.to_thread(tok.wait_serving, deadline)
         for i in range(3):
-            port, metrics_port = free_port(), free_port()
-            gw = ServiceProcess(f"gateway-{i}", "gateway", [*common, "--port", str(port), "--tenants", str(tenants),
+            metrics_port = free_port()
+            gw = ServiceProcess(f"gateway-{i}", "gateway", [*common, "--tenants", str(tenants),
                                                             "--tokenizer-target", tok.target, "--models", MODEL,
                                                             "--lease-ttl-s", "2", "--metrics-port", str(metrics_port)],
-                                port, logs / f"gw{i}.log", None)
+                                0, logs / f"gw{i}.log", None)
             gw.metrics_port = metrics_port
             gateways.append(gw.start())
             procs.append(gw)

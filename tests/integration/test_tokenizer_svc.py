@@ -40,6 +40,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _bound_port(port_file: Path, process: subprocess.Popen, timeout_s: float = 180.0) -> int:
+    """The gRPC port the service bound (it binds port 0 and writes the port it got)."""
+    deadline = time.monotonic() + timeout_s
+    while not (port_file.exists() and port_file.read_text().strip()):
+        assert process.poll() is None and time.monotonic() < deadline, "tokenizer_svc bound no port"
+        time.sleep(0.1)
+    return int(port_file.read_text())
+
+
 def long_text(n_bytes: int, salt: str) -> str:
     paragraph = (f"{salt} The quick brown fox jumps over 13 lazy dogs; 你好世界 🎉 def f(x): return x*2\n"
                  "    indented   spaces\tand tabs, numbers 3.14159 and 2718281828.\n")
@@ -94,13 +103,16 @@ def _wait_serving(port: int, process: subprocess.Popen, timeout_s: float = 180.0
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     hf_dir = _write_hf_copy(tmp_path_factory.mktemp("models") / HF_MODEL, smollm2_path)
-    port, metrics_port = free_port(), free_port()
+    metrics_port = free_port()
+    port_file = tmp_path_factory.mktemp("port") / "tokenizer.port"
     process = subprocess.Popen(
-        [sys.executable, "-m", "tokenizer_svc", "--port", str(port), "--metrics-port", str(metrics_port),
+        [sys.executable, "-m", "tokenizer_svc", "--port", "0", "--port-file", str(port_file),
+         "--metrics-port", str(metrics_port),
          "--workers", "2", "--models", f"smollm2-135m,{hf_dir}", "--max-messages", "4",
          "--max-text-bytes", str(MAX_TEXT), "--max-message-bytes", str(4 * MAX_TEXT), "--log-level", "warning"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
+        port = _bound_port(port_file, process)
         _wait_serving(port, process)
         yield Server(process, port, metrics_port)
     finally:
