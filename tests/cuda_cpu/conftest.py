@@ -17,7 +17,7 @@ def built() -> None:
     reason = cb.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    cb.LIBRARY.preload(cuda.KERNEL_DIR, cuda.launchable_kernels())
+    cb.build_all(cuda.KERNEL_DIR, cuda.launchable_kernels())
 
 
 @pytest.fixture

@@ -202,7 +202,7 @@ def _pack(args: tuple) -> tuple[list, str, list[int]]:
 
 
 class KernelLibrary:
-    """Loaded modules by (source, variants, flags); compiles in parallel on first use."""
+    """Loaded modules by (source, variants, flags), built on first use."""
 
     def __init__(self) -> None:
         self._modules: dict[tuple, Module] = {}
@@ -215,11 +215,6 @@ class KernelLibrary:
                 self._modules[key] = Module(build(source_path, expressions, asan), expressions)
             return self._modules[key]
 
-    def preload(self, kernel_dir: Path, variants: dict[str, list[str]], jobs: int = 2) -> None:
-        """Build every group of `variants` at once (g++ runs in parallel processes)."""
-        groups = [(kernel_dir / filename, names) for (filename, _), names in variant_groups(variants).items()]
-        with ThreadPoolExecutor(max_workers=jobs) as pool:
-            list(pool.map(lambda item: build(*item), groups))
 
 
 LIBRARY = KernelLibrary()
@@ -233,6 +228,13 @@ def variant_groups(variants: dict[str, list[str]]) -> dict[tuple[str, int], list
     """{(filename, part): variants}: the unit of one g++ build."""
     return {(filename, i // MAX_VARIANTS_PER_BUILD): names[i : i + MAX_VARIANTS_PER_BUILD]
             for filename, names in variants.items() for i in range(0, len(names), MAX_VARIANTS_PER_BUILD)}
+
+
+def build_all(kernel_dir: Path, variants: dict[str, list[str]], jobs: int = 2) -> None:
+    """Build every group of `variants` up front, `jobs` g++ processes at a time."""
+    groups = [(kernel_dir / filename, names) for (filename, _), names in variant_groups(variants).items()]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(lambda item: build(*item), groups))
 
 
 class CpuLauncher:
