@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from llmserve.settings import CommonSettings, require, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4")  # CPU weight formats: gpu_worker/ops/quantized_linear.py
 
 
 @dataclass
@@ -16,6 +17,8 @@ class WorkerSettings(CommonSettings):
     model: str = setting("smollm2-135m", "model alias, GGUF file or Hugging Face directory")
     device: str = setting("auto", "auto, cpu or cuda (auto: cuda when a GPU and CuPy are there)")
     dtype: str = setting("auto", "compute dtype: auto, float32, bfloat16 or float16")
+    quantization: str = setting("none", "CPU weight format of the GEMMs: none (fp32), int8 (per-channel) "
+                                        "or int4 (groups of 32, the GGUF Q4_1 layout); weight-only")
     worker_id: str = setting("", "id in the workers hash and inbox stream name (default host-pid)")
     block_size: int = setting(16, "tokens per KV-cache block")
     kv_cache_mb: int = setting(512, "KV-cache memory budget in MiB (sets the number of blocks)")
@@ -36,6 +39,7 @@ class WorkerSettings(CommonSettings):
         super().validate()
         require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda")
         require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}")
+        require(self.quantization in QUANTIZATIONS, "quantization", f"must be one of {', '.join(QUANTIZATIONS)}")
         require(self.block_size in (8, 16, 32, 64), "block_size", "must be 8, 16, 32 or 64")
         require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")
         require(self.num_blocks >= 0, "num_blocks", "must be >= 0")

@@ -21,12 +21,26 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
-from gpu_worker.ops import get_ops, packed_linear
+from gpu_worker.ops import get_ops, packed_linear, quantized_linear
 from gpu_worker.ops.packed_linear import linear
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+def _cpu_weight(weight: torch.Tensor, quantization: str) -> nn.Module | nn.Parameter:
+    """A plain [N, K] weight -> its CPU GEMM form: prepacked ("none") or quantized."""
+    if quantization == "none":
+        return nn.Parameter(packed_linear.pack(weight), requires_grad=False)
+    return quantized_linear.quantize(weight, quantization)
+
+
+def _replace(module: nn.Module, name: str, value: nn.Module | nn.Parameter) -> None:
+    """Set attribute `name` of `module`, which may change from a parameter to a submodule."""
+    if name in module._parameters:
+        del module._parameters[name]
+    setattr(module, name, value)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -121,6 +135,7 @@ class LlamaModel(nn.Module):
         if lm_head_dtype is None:
             lm_head_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
         # tied and same dtype: share the tensor; otherwise a separate parameter (filled from the embedding)
+        self.lm_head_dtype = lm_head_dtype
         self.share_lm_head = c.tie_word_embeddings and lm_head_dtype == dtype
         self.lm_head = self.embed if self.share_lm_head else _param(
             c.vocab_size, c.hidden_size, device=device, dtype=lm_head_dtype
@@ -155,19 +170,21 @@ class LlamaModel(nn.Module):
         # only the sampled rows need the final norm and the vocab GEMM
         idx = meta.logits_indices
         h, _ = ops.fused_add_rms_norm(h[idx], residual[idx], self.norm, self.config.rms_norm_eps)  # [S, H]
-        return linear(h.to(self.lm_head.dtype), self.lm_head).float()  # [num_seqs, V]
+        return linear(h.to(self.lm_head_dtype), self.lm_head).float()  # [num_seqs, V]
 
     @torch.no_grad()
-    def prepack_for_cpu(self) -> bool:
-        """Swap every GEMM weight for its oneDNN-prepacked form (see ops/packed_linear.py); the
-        model is inference-only afterwards (no load_weights, no .to()). False where unsupported."""
+    def prepack_for_cpu(self, quantization: str = "none", quantize_head: bool = False) -> bool:
+        """Swap every GEMM weight for its CPU form: oneDNN-prepacked fp32/bf16 (ops/packed_linear.py)
+        or, with `quantization` int8/int4, a weight-only quantized one (ops/quantized_linear.py).
+        The vocab head stays prepacked fp32 unless `quantize_head`. The model is inference-only
+        afterwards (no load_weights, no .to()). False where prepacking is unsupported."""
         if self.device.type != "cpu" or not packed_linear.available(self.dtype):
             return False
         for layer in self.layers:
             for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-                setattr(layer, name, nn.Parameter(packed_linear.pack(getattr(layer, name)), requires_grad=False))
-        # the embedding lookup needs the plain table, so a tied head gets its own packed copy
-        self.lm_head = nn.Parameter(packed_linear.pack(self.lm_head), requires_grad=False)
+                _replace(layer, name, _cpu_weight(getattr(layer, name), quantization))
+        # the embedding lookup needs the plain table, so a tied head gets its own copy
+        _replace(self, "lm_head", _cpu_weight(self.lm_head, quantization if quantize_head else "none"))
         self.share_lm_head = False
         return True
 

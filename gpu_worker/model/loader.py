@@ -47,10 +47,13 @@ def load_config(spec: str | Path) -> ModelConfig:
     return config
 
 
-def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, prepack: bool = True) -> LlamaModel:
+def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, prepack: bool = True,
+               quantization: str = "none") -> LlamaModel:
     """Build the model for `spec` (alias like "smollm2-135m", a .gguf path, or an HF directory).
 
     prepack: on CPU, put GEMM weights in oneDNN's blocked layout (LlamaModel.prepack_for_cpu).
+    quantization: CPU weight format of the layers' GEMMs, "none" or a key of
+    ops/quantized_linear.FORMATS (applies with prepack on CPU only).
     """
     start = time.monotonic()
     path = model_store.resolve(str(spec))
@@ -59,9 +62,10 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     model = LlamaModel(config, device=device, dtype=dtype)
     model.load_weights(weights)
     model.eval()
-    prepacked = prepack and model.prepack_for_cpu()
+    prepacked = prepack and model.prepack_for_cpu(quantization)
     logger.info(
         "model loaded", path=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."), prepacked=prepacked,
+        quantization=quantization if prepacked else "none",
         layers=config.num_layers, hidden=config.hidden_size, seconds=round(time.monotonic() - start, 2),
     )
     return model

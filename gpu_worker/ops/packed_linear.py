@@ -25,6 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.ops.quantized_linear import QuantizedWeight
+
 BATCH_HINT = 16  # rows the blocked layout is tuned for; any M works
 
 
@@ -45,8 +47,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear that also takes a weight made by `pack`. x: [T, K] -> [T, N]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear that also takes a weight made by `pack` or a quantized one. x: [T, K] -> [T, N]."""
+    if isinstance(weight, QuantizedWeight):
+        return weight(x, bias)
     if weight.is_mkldnn:
         rows = x.shape[0]
         if rows == 1:

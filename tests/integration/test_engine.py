@@ -1,7 +1,8 @@
 """Engine on a tiny random Llama (CPU, fp32): batching, prefix cache, seeds, preemption, handoff.
 
-Every test runs twice: with plain weights (F.linear) and with oneDNN-prepacked weights, the
-production CPU path (LlamaModel.prepack_for_cpu).
+Every test runs with plain weights (F.linear), with oneDNN-prepacked fp32 weights (the
+production CPU path, LlamaModel.prepack_for_cpu) and with each weight-only quantized format
+(`--quantization int8|int4`): the guarantees hold in every configuration a worker can run.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ def make_model(seed: int = 0) -> LlamaModel:
     return model
 
 
-@pytest.fixture(scope="module", params=["plain", "prepacked"])
+@pytest.fixture(scope="module", params=["plain", "prepacked", "int8", "int4"])
 def model(request) -> LlamaModel:
     model = make_model()
-    if request.param == "prepacked" and not model.prepack_for_cpu():
+    quantization = "none" if request.param == "prepacked" else request.param
+    if request.param != "plain" and not model.prepack_for_cpu(quantization):
         pytest.skip("this torch build cannot prepack CPU weights")
     return model
 

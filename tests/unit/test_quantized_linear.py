@@ -1,0 +1,110 @@
+"""Weight-only int8 / int4 CPU linears: close to F.linear, compact, and each row independent of the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.model.config import ModelConfig
+from gpu_worker.model.kv_cache import KVCache
+from gpu_worker.model.llama import LlamaModel
+from gpu_worker.model.metadata import AttentionMetadata
+from gpu_worker.ops import packed_linear, quantized_linear
+from gpu_worker.ops.quantized_linear import Int4Weight, Int8Weight
+
+FORMATS = sorted(quantized_linear.FORMATS)
+
+
+def q4_1_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight [n, k] as a GGUF Q4_1 file dequantizes: codes 0..15 in groups of 32, w = code * d + m,
+    with d and m exact in bf16 and every group using codes 0 and 15."""
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=gen)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 0.001).bfloat16().float()
+    m = (-8 * d - torch.rand(n, k // 32, 1, generator=gen) * 0.01).bfloat16().float()
+    return (codes * d + m).view(n, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_close_to_f_linear(fmt, with_bias):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(320, 96, generator=gen) * 0.05
+    b = torch.randn(320, generator=gen) if with_bias else None
+    x = torch.randn(37, 96, generator=gen)
+    out = quantized_linear.quantize(w, fmt)(x, b)
+    assert out.dtype == torch.float32 and out.shape == (37, 320)
+    ref = F.linear(x, w, b)
+    # int8 per channel keeps ~1/254 of a row's range; int4 in groups of 32 ~1/30 of a group's
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < {"int8": 0.01, "int4": 0.08}[fmt], rel
+
+
+def test_int4_recovers_q4_1_codes_exactly():
+    """A Q4_1-dequantized weight goes through int4 without loss: the kernel then only rounds
+    its bf16 activations and output."""
+    gen = torch.Generator().manual_seed(3)
+    w = q4_1_weight(64, 128, gen)
+    x = torch.randn(5, 128, generator=gen).bfloat16()
+    out = Int4Weight(w).matmul(x).float()
+    ref = F.linear(x.float(), w)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=2e-2)  # bf16 output rounding only
+
+
+def test_int8_stores_one_byte_per_weight_and_int4_half():
+    w = torch.randn(256, 128)
+    assert Int8Weight(w).nbytes == 256 * 128 + 256 * 2
+    assert Int4Weight(w).nbytes == 256 * 128 // 2 + (128 // 32) * 256 * 2 * 2
+
+
+def test_int4_rejects_a_width_not_a_multiple_of_32():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int4Weight(torch.randn(8, 40))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n_out,k", [(960, 576), (3072, 576), (576, 1536), (49152, 576)])
+def test_rows_are_bitwise_independent_of_batch_size(fmt, n_out, k):
+    """Batch invariance of greedy output rests on this (SmolLM2's GEMM shapes)."""
+    gen = torch.Generator().manual_seed(1)
+    weight = quantized_linear.quantize(torch.randn(n_out, k, generator=gen) * 0.05, fmt)
+    x = torch.randn(64, k, generator=gen)
+    alone = [weight(x[i:i + 1]) for i in range(4)]
+    for m in (1, 2, 3, 5, 16, 17, 33, 64):
+        batch = weight(x[:m])
+        for i in range(min(m, 4)):
+            assert torch.equal(batch[i:i + 1], alone[i]), (m, i)
+
+
+@pytest.mark.skipif(not packed_linear.available(), reason="torch build without oneDNN prepacking")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_model_gives_close_logits(fmt):
+    config = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, context_length=64, tie_word_embeddings=True,
+                         attention_bias=True)
+    plain = LlamaModel(config, "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    for p in plain.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    quantized = LlamaModel(config, "cpu", torch.float32)
+    quantized.load_state_dict(plain.state_dict())
+    assert quantized.prepack_for_cpu(fmt)
+    assert isinstance(quantized.layers[0].qkv_weight, quantized_linear.FORMATS[fmt])
+    assert "qkv_weight" not in dict(quantized.named_parameters(recurse=False))
+    assert quantized.lm_head.is_mkldnn  # the vocab head stays prepacked fp32
+
+    n = 9
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), num_prefills=1, num_prefill_tokens=n,
+        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([n], dtype=torch.int32),
+        prefill_block_tables=torch.arange(4, dtype=torch.int32)[None],
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        decode_block_tables=torch.zeros(0, 4, dtype=torch.int32), logits_indices=torch.arange(n),
+    )
+    ids = torch.randint(0, 100, (n,), generator=gen)
+    logits = [m(ids, torch.arange(n), meta, KVCache.allocate(config, 4, 4, torch.float32, "cpu"))
+              for m in (plain, quantized)]
+    rel = (logits[1] - logits[0]).norm() / logits[0].norm()
+    assert rel < {"int8": 0.02, "int4": 0.15}[fmt], rel
