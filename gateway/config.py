@@ -33,6 +33,9 @@ class GatewaySettings(CommonSettings):
                                          "the request is cancelled")
     cancel_grace_s: float = setting(3.0, "after a cancel, how long to wait for the worker's final event")
     max_streams: int = setting(1024, "Redis connections for blocking event reads")
+    http_port: int = setting(0, "OpenAI-compatible HTTP port (0 = off, -1 = a free one, reported in "
+                                "http_port_file)")
+    http_port_file: str = setting("", "write the bound HTTP port to this file once listening")
     max_tenant_streams: int = setting(256, "most Generate/Complete streams one tenant may have open on this "
                                            "gateway (re-attached ones included)")
 
@@ -47,6 +50,7 @@ class GatewaySettings(CommonSettings):
         require(self.max_queue_wait_s > 0, "max_queue_wait_s", "must be > 0")
         require(self.events_ttl_s >= 10, "events_ttl_s", "must be >= 10")
         require(self.lease_ttl_s >= 1, "lease_ttl_s", "must be >= 1")
+        require(-1 <= self.http_port < 65536, "http_port", "must be -1 (any), 0 (off) or a port")
         require(1 <= self.max_tenant_streams <= self.max_streams, "max_tenant_streams",
                 "must be in 1..max_streams")
         require(self.max_message_bytes > self.max_prompt_bytes, "max_message_bytes",

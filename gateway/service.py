@@ -18,13 +18,14 @@ import structlog
 from llmserve import redis_client
 from llmserve.errors import InvalidArgument, ResourceExhausted
 from llmserve.log import bind_request
-from llmserve.server import status_for
+from llmserve.server import status_for, write_port_file
 from llmserve.v1 import inference_pb2 as pb
 
 from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.flow import Call, Flow, limits_of
 from gateway.models import ModelCatalog
+from gateway.openai_http import HttpServer, OpenAIHttp
 from gateway.quota import Quota
 from gateway.tenants import TenantRegistry
 from gateway.validation import REQUEST_ID, check_input
@@ -73,6 +74,8 @@ class InferenceService:
         self.catalog = ModelCatalog(settings.model_specs(), settings.tokenizer_target, settings.tokenizer_timeout_s)
         self.quota = Quota(self.redis, settings.lease_ttl_s, settings.concurrency_retry_ms)
         self.flow = Flow(settings, self.redis, self.blocking, self.catalog, self.quota)
+        self.serving = False
+        self.http: HttpServer | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -92,11 +95,25 @@ class InferenceService:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
         await self.redis.ping()
         await self.catalog.load(self.settings.tokenizer_wait_s)
+        if self.settings.http_port:
+            await self._start_http()
+        self.serving = True
+
+    async def _start_http(self) -> None:
+        """The OpenAI-compatible endpoint, bound before it is reported (as the gRPC port is)."""
+        self.http = HttpServer(OpenAIHttp(self, ready=lambda: self.serving).app, self.settings.host,
+                               self.settings.http_port)
+        await self.http.start()
+        if self.settings.http_port_file:
+            write_port_file(self.settings.http_port_file, self.http.port)
 
     async def drain(self) -> None:
         """In-flight streams go on until the server's grace ends; cleanups finish first."""
+        self.serving = False
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
         await self.flow.drain()
         await self.catalog.close()
         await self.redis.aclose()

@@ -24,8 +24,8 @@ def _up(args: argparse.Namespace) -> int:
     configure_logging("llmserve-up")
     log_dir = Path(args.log_dir) if args.log_dir else Path(".llmserve") / "logs"
     config = StackConfig(model=args.model, workers=args.workers, gateways=args.gateways, device=args.device,
-                         port=args.port, tenants=Path(args.tenants), redis_url=os.environ.get("REDIS_URL") or None,
-                         log_dir=log_dir)
+                         port=args.port, http_port=args.http_port, tenants=Path(args.tenants),
+                         redis_url=os.environ.get("REDIS_URL") or None, log_dir=log_dir)
     stop, roll = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -36,6 +36,8 @@ def _up(args: argparse.Namespace) -> int:
     supervisor = Supervisor(stack, say=lambda text: print(text, file=sys.stderr, flush=True))
     try:
         print(f"\nllmserve is up: gateway at {stack.gateway_target}  (Redis {redact_url(stack.redis_url)})")
+        if args.http_port:
+            print(f"OpenAI-compatible HTTP at {stack.http_url}/v1")
         print(f'try:  .venv/bin/llmserve generate "What is the capital of France?" --target {stack.gateway_target}')
         print("Ctrl-C stops everything gracefully; SIGHUP rolls the workers one at a time.", flush=True)
         while not stop.wait(0.5):
@@ -99,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start Redis (unless REDIS_URL is set) and every service")
     up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="OpenAI-compatible HTTP port of the first gateway (0 = off, -1 = a free one)")
     up.add_argument("--tenants", default=str(Path(__file__).resolve().parent.parent / "deploy" / "tenants.dev.yaml"),
                     help="tenants YAML file")
     up.add_argument("--workers", type=int, default=1, help="number of gpu_worker processes")

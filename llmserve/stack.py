@@ -43,6 +43,7 @@ class StackConfig:
     gateways: int = 1
     device: str = "auto"
     port: int = 50051                 # first gateway's port; 0 = a free one
+    http_port: int = 0                # first gateway's OpenAI-compatible HTTP port; 0 = off, -1 = a free one
     tenants: Path = DEFAULT_TENANTS
     redis_url: str | None = None      # None: start a Valkey server
     redis_appendonly: bool = False
@@ -228,7 +229,23 @@ class Stack:
         self._gateway_seq += 1
         flags = ["--tenants", str(self.config.tenants), "--tokenizer-target", self.tokenizer_target,
                  "--models", str(self.config.model)]
+        if self.config.http_port and name == "gateway-0":
+            flags += ["--http-port", str(self.config.http_port), "--http-port-file", str(self._http_port_file(name))]
         return self._service(name, "gateway", flags, port, sticky_port=True)
+
+    def _http_port_file(self, gateway: str) -> Path:
+        return self.log_dir / f"{gateway}.http.port"
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the first gateway's OpenAI-compatible endpoint (StackConfig.http_port set)."""
+        path = self._http_port_file("gateway-0")
+        deadline = time.monotonic() + 60
+        while not (path.exists() and path.read_text().strip()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no HTTP port reported in {path}")
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{int(path.read_text())}"
 
     def start(self) -> "Stack":
         """Start everything and return once every service reports SERVING."""

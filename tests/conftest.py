@@ -48,7 +48,7 @@ def stack(tmp_path_factory):
     """The whole stack on the real model, shared by every end-to-end test of the session."""
     from llmserve.stack import Stack, StackConfig
 
-    config = StackConfig(workers=1, device="cpu", port=0, tenants=TEST_TENANTS,
+    config = StackConfig(workers=1, device="cpu", port=0, http_port=-1, tenants=TEST_TENANTS,
                          log_dir=tmp_path_factory.mktemp("stack"))
     running = Stack(config).start()
     yield running

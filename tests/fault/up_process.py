@@ -43,8 +43,8 @@ class UpProcess:
         out, err = open(log_dir / "up.stdout", "wb"), open(log_dir / "up.stderr", "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         env.pop("REDIS_URL", None)
-        argv = [str(Path(sys.executable).parent / "llmserve"), "up", "--port", "0", "--workers", str(workers),
-                "--device", "cpu", "--tenants", str(tenants), "--log-dir", str(log_dir / "services")]
+        argv = [str(Path(sys.executable).parent / "llmserve"), "up", "--port", "0", "--http-port", "0",
+                "--workers", str(workers), "--device", "cpu", "--tenants", str(tenants), "--log-dir", str(log_dir / "services")]
         process = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
         out.close()
         err.close()

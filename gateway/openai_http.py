@@ -1,0 +1,279 @@
+"""OpenAI-compatible HTTP beside gRPC, in the gateway's own event loop (Starlette on uvicorn).
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /ready
+
+A handler only translates: JSON body ─▶ `GenerateRequest` ─▶ the same `Flow.generate` as the
+gRPC Generate/Complete (auth, quotas, validation, shedding, tokenization, queueing, streaming:
+one admission path) ─▶ OpenAI's response or SSE chunk shapes. Errors become OpenAI's error
+object with the HTTP status of their gRPC code; a client that disconnects mid-stream cancels
+the request as a gRPC cancellation does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import uvicorn
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llmserve.errors import InvalidArgument, ServiceError
+from llmserve.log import bind_request
+from llmserve.server import status_for
+from llmserve.v1 import inference_pb2 as pb
+
+from gateway import metrics
+from gateway.flow import Call
+from gateway.openai_wire import FINISH, Parsed, parse_chat, parse_completion
+
+logger = structlog.get_logger(__name__)
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    body: dict
+    headers: dict[str, str]
+
+
+def http_error(exc: BaseException) -> HttpError:
+    """OpenAI's error object for an exception the flow raised (unknown model: 404)."""
+    code, message, trailing = status_for(exc)
+    param = getattr(exc, "field", None)
+    status = 404 if isinstance(exc, InvalidArgument) and param == "model" else HTTP_STATUS.get(code, 500)
+    headers = {}
+    retry_ms = dict(trailing).get("retry-after-ms")
+    if retry_ms is not None:
+        headers["retry-after"] = str(max(1, -(-int(retry_ms) // 1000)))
+        headers["retry-after-ms"] = retry_ms
+    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param,
+                      "code": code.name.lower()}}
+    return HttpError(status, body, headers)
+
+
+class OpenAIHttp:
+    """The HTTP app over an `InferenceService`.
+
+    Args:
+        service: the gateway's gRPC service (its tenants, flow and catalog are used as they are).
+        ready: whether the gateway serves (readiness follows the gRPC health state).
+    """
+
+    def __init__(self, service, ready: Callable[[], bool]) -> None:
+        self.service = service
+        self.ready = ready
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.readiness, methods=["GET"]),
+        ])
+
+    # -- routes ----------------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "ChatCompletions", parse_chat, "chat.completion")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "Completions", parse_completion, "text_completion")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            call = self._call(request)
+            data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llmserve",
+                     "context_length": m.context_length}
+                    for m in self.service.catalog.list() if call.tenant.may_use(m.id)]
+            return JSONResponse({"object": "list", "data": data}, headers={"x-request-id": call.request_id})
+        except ServiceError as exc:
+            return _error_response(exc, "-")
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readiness(self, request: Request) -> Response:
+        ready = self.ready()
+        return JSONResponse({"status": "serving" if ready else "not serving"}, status_code=200 if ready else 503)
+
+    # -- one completion ----------------------------------------------------------------------------------
+    def _call(self, request: Request, request_id: str = "") -> Call:
+        request_id = request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+        bind_request(request_id, "")
+        tenant = self.service.tenants.authenticate({"authorization": request.headers.get("authorization", "")})
+        bind_request(request_id, tenant.id)
+        return Call(tenant, request_id, None)
+
+    async def _generate(self, request: Request, method: str, parse, kind: str) -> Response:
+        tenant, request_id = "-", ""
+        try:
+            call = self._call(request)
+            tenant, request_id = call.tenant.id, call.request_id
+            parsed = parse(await _json_body(request))
+            parsed.request.request_id = call.request_id
+            if parsed.user:
+                logger.info("openai request", user=parsed.user, stream=parsed.stream)
+            model = self.service.flow.model_for(call, parsed.request).id
+            chunks = self.service.flow.generate(call, parsed.request)
+            first = await anext(chunks)      # admission errors become HTTP statuses, not a 200 stream
+            shape = _Shape(kind, call.request_id, model, int(time.time()))
+            headers = {"x-request-id": call.request_id, **dict(call.headers)}
+            if parsed.stream:
+                events = self._sse(chunks, first, shape, parsed, method, tenant)
+                return EventSourceResponse(events, headers=headers, ping=15)
+            reply = await _collect(chunks, first)
+            metrics.REQUESTS.labels(method, tenant, "OK").inc()
+            return JSONResponse(shape.whole(reply), headers=headers)
+        except (ServiceError, StopAsyncIteration) as exc:
+            metrics.REQUESTS.labels(method, tenant, status_for(exc)[0].name).inc()
+            return _error_response(exc, request_id or "-")
+
+    async def _sse(self, chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: "_Shape",
+                   parsed: Parsed, method: str, tenant: str) -> AsyncIterator[str]:
+        code = "OK"
+        try:
+            yield json.dumps(shape.role_chunk())
+            chunk: pb.GenerateResponse | None = first
+            while chunk is not None:
+                yield json.dumps(shape.delta(chunk))
+                if chunk.HasField("usage") and parsed.include_usage:
+                    yield json.dumps(shape.usage_chunk(chunk.usage))
+                chunk = await anext(chunks, None)
+            yield "[DONE]"
+        except ServiceError as exc:            # after the 200: the error goes in the stream, as OpenAI does
+            code = status_for(exc)[0].name
+            yield json.dumps(http_error(exc).body)
+        finally:
+            metrics.REQUESTS.labels(method, tenant, code).inc()
+
+
+@dataclass(frozen=True)
+class _Whole:
+    text: str
+    finish_reason: int
+    usage: pb.Usage
+
+
+async def _collect(chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse) -> _Whole:
+    texts, finish, usage = [first.text], first.finish_reason, first.usage
+    async for chunk in chunks:
+        texts.append(chunk.text)
+        finish = chunk.finish_reason or finish
+        if chunk.HasField("usage"):
+            usage = chunk.usage
+    return _Whole("".join(texts), finish, usage)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """OpenAI's response and chunk objects of one completion."""
+
+    kind: str            # "chat.completion" or "text_completion"
+    request_id: str
+    model: str
+    created: int
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def _base(self, obj: str) -> dict:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {"id": f"{prefix}-{self.request_id}", "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, reply: _Whole) -> dict:
+        choice = {"index": 0, "finish_reason": FINISH.get(reply.finish_reason, "stop"), "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": reply.text}
+        else:
+            choice["text"] = reply.text
+        return {**self._base(self.kind), "choices": [choice], "usage": _usage(reply.usage)}
+
+    def role_chunk(self) -> dict:
+        obj = "chat.completion.chunk" if self.chat else self.kind
+        delta = {"role": "assistant", "content": ""} if self.chat else None
+        choice = {"index": 0, "finish_reason": None, "logprobs": None}
+        choice.update({"delta": delta} if self.chat else {"text": ""})
+        return {**self._base(obj), "choices": [choice]}
+
+    def delta(self, chunk: pb.GenerateResponse) -> dict:
+        obj = "chat.completion.chunk" if self.chat else self.kind
+        reason = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
+        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        choice.update({"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text})
+        return {**self._base(obj), "choices": [choice]}
+
+    def usage_chunk(self, usage: pb.Usage) -> dict:
+        obj = "chat.completion.chunk" if self.chat else self.kind
+        return {**self._base(obj), "choices": [], "usage": _usage(usage)}
+
+
+def _usage(usage: pb.Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
+
+
+async def _json_body(request: Request) -> dict:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument("body", "not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    return body
+
+
+def _error_response(exc: BaseException, request_id: str) -> Response:
+    if isinstance(exc, StopAsyncIteration):       # a flow that ended without a chunk: never expected
+        exc = ServiceError("no output")
+    error = http_error(exc)
+    return JSONResponse(error.body, status_code=error.status, headers={"x-request-id": request_id, **error.headers})
+
+
+class HttpServer:
+    """uvicorn serving `app` on a socket bound here, in the running event loop.
+
+    uvicorn's own `serve()` would install its signal handlers over the gateway's; this runs its
+    startup / main loop / shutdown steps instead, and stops when told.
+    """
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        self.socket = socket.create_server((host, max(0, port)), reuse_port=False)
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        self._task = None
+
+    async def start(self) -> None:
+        config = self.server.config
+        config.load()
+        self.server.lifespan = config.lifespan_class(config)
+        await self.server.startup(sockets=[self.socket])
+        self._task = asyncio.create_task(self.server.main_loop(), name="http")
+        logger.info("openai http serving", port=self.port)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        await self._task
+        await self.server.shutdown(sockets=[self.socket])
+        self._task = None
