@@ -24,6 +24,7 @@ def _up(args: argparse.Namespace) -> int:
     configure_logging("llmserve-up")
     log_dir = Path(args.log_dir) if args.log_dir else Path(".llmserve") / "logs"
     config = StackConfig(model=args.model, workers=args.workers, gateways=args.gateways, device=args.device,
+                         quantization=args.quantization,
                          port=args.port, http_port=args.http_port, tenants=Path(args.tenants),
                          redis_url=os.environ.get("REDIS_URL") or None, log_dir=log_dir)
     stop, roll = threading.Event(), threading.Event()
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gateways", type=int, default=1, help="number of gateway processes")
     up.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     up.add_argument("--model", default=model_store.DEFAULT_MODEL, help="model path or smollm2-135m")
+    up.add_argument("--quantization", default="",
+                    help="workers' weight format (see python -m gpu_worker --help); default: the worker's")
     up.add_argument("--log-dir", default="", help="where service logs go (default .llmserve/logs)")
     up.set_defaults(func=_up)
 

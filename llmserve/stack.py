@@ -42,6 +42,7 @@ class StackConfig:
     workers: int = 1
     gateways: int = 1
     device: str = "auto"
+    quantization: str = ""            # worker weight format (--quantization); "" = the worker's default
     port: int = 50051                 # first gateway's port; 0 = a free one
     http_port: int = 0                # first gateway's OpenAI-compatible HTTP port; 0 = off, -1 = a free one
     tenants: Path = DEFAULT_TENANTS
@@ -222,6 +223,8 @@ class Stack:
         name = f"gpu_worker-{self._worker_seq}"
         self._worker_seq += 1
         flags = ["--model", str(self.config.model), "--device", self.config.device, "--worker-id", name]
+        if self.config.quantization:
+            flags += ["--quantization", self.config.quantization]
         return self._service(name, "gpu_worker", flags)
 
     def start_gateway(self, port: int = 0) -> ServiceProcess:

@@ -323,3 +323,16 @@ def test_api_keys_and_redis_password_never_reach_the_logs(secure, inference):
     secrets = [*KEYS.values(), WRONG_KEY, REDIS_PASSWORD]
     leaks = [(p.name, s) for p in logs for s in secrets if s in p.read_text(errors="replace")]
     assert leaks == []
+
+
+def test_redis_password_is_on_no_process_command_line(secure):
+    """Anyone on the host can read /proc/*/cmdline: the password reaches children by environment."""
+    pids = [proc.process.pid for proc in secure.stack.services.values() if proc.alive()]
+    assert len(pids) >= 4
+    leaks = []
+    for pid in pids:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        if REDIS_PASSWORD in cmdline:
+            leaks.append((pid, cmdline))
+    assert leaks == []
+

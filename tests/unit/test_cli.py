@@ -1,0 +1,9 @@
+"""What `llmserve up` prints: the Redis URL without its password."""
+
+from llmserve.cli import redact_url
+
+
+def test_redis_url_is_printed_without_its_password():
+    assert redact_url("redis://:s3cret@127.0.0.1:6379/0") == "redis://:***@127.0.0.1:6379/0"
+    assert redact_url("rediss://user:s3cret@redis.example:6380/1") == "rediss://user:***@redis.example:6380/1"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
