@@ -223,12 +223,15 @@ class ModelBatcher:
         return plans, dropped
 
     async def _without_cancelled(self, plans: list[_Plan]) -> list[_Plan]:
-        """Drop items whose cancel key exists (one MGET for all plans: a reply per key, one round trip)."""
+        """Drop items whose cancel key exists (one pipeline of EXISTS for all plans: the keys live in
+        their requests' hash slots, so no MGET; on a cluster the pipeline goes to each node at once)."""
         cancellable = [h for _, batch in plans for h in batch if h.item.cancel_key]
         if not cancellable:
             return plans
-        values = await self.redis.mget([h.item.cancel_key for h in cancellable])
-        cancelled = {h for h, value in zip(cancellable, values) if value is not None}
+        pipe = self.redis.pipeline(transaction=False)
+        for h in cancellable:
+            pipe.exists(h.item.cancel_key)
+        cancelled = {h for h, found in zip(cancellable, await pipe.execute()) if found}
         if not cancelled:
             return plans
         await self.drop([(h, DropReason.CANCELLED, "") for h in cancelled])

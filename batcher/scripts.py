@@ -108,7 +108,9 @@ class Scripts:
         for src in sources:
             args += [src.group, len(src.ids), *src.ids]
         keys = [inbox, inboxes, *(s.stream for s in sources)]
-        pipe.evalsha(self._sha["dispatch"], len(keys), *keys, *args)
+        # Not pipe.evalsha: redis-py's cluster pipeline refuses that method (a node might lack the
+        # script), yet routes the command by its keys; `load()` put the scripts on every primary.
+        pipe.execute_command("EVALSHA", self._sha["dispatch"], len(keys), *keys, *args)
 
     async def dispatch(self, inbox: str, inboxes: str, worker_id: str, inbox_group: str, consumer: str,
                        sources: Sequence[Source], batch: bytes) -> DispatchResult:

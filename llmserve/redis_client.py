@@ -1,33 +1,165 @@
-"""Redis connections with timeouts and health checks.
+"""Redis connections with timeouts and health checks, standalone or Redis Cluster.
 
 redis-py's own retry is off: after a timeout or a dropped connection it cannot know
 whether Redis ran the command, and re-sending a work-item XADD, the hand-back MULTI or
 the admission script would do it twice. Callers retry where repeating is safe: the worker
 and batcher loops (whose writes the gateway dedupes by index and the fencing token
 settles), and the gateway's callers through UNAVAILABLE.
+
+Cluster: `connect()` asks the server at the URL (`INFO cluster`); on `cluster_enabled:1`
+it returns redis-py's cluster client, bootstrapped from that one node. The same policy
+holds there: a command that hit a dead or timed-out node is not sent again (the client
+marks its slot map stale and the next command reloads it), while MOVED, ASK and TRYAGAIN
+are followed, because a node that answers with a redirect did not run the command. A
+failover in progress (CLUSTERDOWN) is raised as `UNAVAILABLE_ERRORS`, like a dropped
+connection. Multi-key commands, scripts and MULTI must keep their keys in one hash slot
+(llmserve/keys.py); the cluster client refuses any that do not before sending them.
 """
 
 from __future__ import annotations
 
+import redis
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
+import redis.exceptions
+from redis._parsers.commands import AsyncCommandsParser
+from redis.asyncio.cluster import AbstractStrategy, ClusterPipeline, TransactionStrategy
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.retry import Retry
+
+# Redis errors that mean "Redis is not reachable right now" (retryable, UNAVAILABLE to callers);
+# for each, the command did not run or its outcome is unknown to the client.
+UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ClusterDownError,       # CLUSTERDOWN / MASTERDOWN: a failover in progress
+    redis.exceptions.SlotNotCoveredError,    # the slot map is being rebuilt
+)
+
+_PROBE_TIMEOUT_S = 2.0
+
+
+def is_cluster(url: str, password: str = "") -> bool:
+    """Whether the server at `url` runs in cluster mode (`INFO cluster` says `cluster_enabled:1`).
+
+    Raises:
+        redis.exceptions.ConnectionError: the server is not reachable.
+    """
+    if url.startswith("unix://"):
+        return False
+    probe = redis.Redis.from_url(url, socket_timeout=_PROBE_TIMEOUT_S, socket_connect_timeout=_PROBE_TIMEOUT_S,
+                                 retry=Retry(NoBackoff(), retries=0), **_auth(password))
+    try:
+        return int(probe.info("cluster").get("cluster_enabled", 0)) == 1
+    finally:
+        probe.close()
 
 
 def connect(url: str, password: str = "", *, socket_timeout: float | None = 5.0,
-            max_connections: int = 64) -> aioredis.Redis:
-    """An asyncio Redis client; commands fail fast (socket timeout) while Redis is down.
+            max_connections: int = 64) -> aioredis.Redis | ClusterClient:
+    """An asyncio client for the Redis (or Redis Cluster) at `url`; commands fail fast
+    (socket timeout) while Redis is down.
 
-    Blocking reads (`XREAD BLOCK`) must pass a block time shorter than
-    `socket_timeout`, or use a client made with `socket_timeout=None`.
+    Blocking reads (`XREAD BLOCK`) must pass a block time shorter than `socket_timeout`,
+    or use a client made with `socket_timeout=None`. On a cluster each goes to the node
+    that owns its stream's slot, and `max_connections` is per node.
     """
     kwargs = dict(
         socket_timeout=socket_timeout,
         socket_connect_timeout=2.0,
         health_check_interval=15,
-        retry=Retry(NoBackoff(), retries=0),   # never re-send a command (see the module docstring)
+        retry=AsyncRetry(NoBackoff(), retries=0),   # never re-send a command (see the module docstring)
         max_connections=max_connections,
+        **_auth(password),
     )
-    if password:
-        kwargs["password"] = password
-    return aioredis.from_url(url, **kwargs)
+    if not is_cluster(url, password):
+        return aioredis.from_url(url, **kwargs)
+    return ClusterClient.from_url(url, **kwargs)
+
+
+def connect_sync(url: str, password: str = "", *, socket_timeout: float | None = 5.0) -> redis.Redis | RedisCluster:
+    """A blocking client (CLI, tests, benches) with the same choice and the same no-re-send policy."""
+    kwargs = dict(socket_timeout=socket_timeout, socket_connect_timeout=2.0,
+                  retry=Retry(NoBackoff(), retries=0), **_auth(password))
+    if is_cluster(url, password):
+        return RedisCluster.from_url(url, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def _auth(password: str) -> dict[str, str]:
+    return {"password": password} if password else {}
+
+
+class ClusterClient(AsyncRedisCluster):
+    """redis-py's asyncio cluster client with three fixes (redis-py 8.1):
+
+    * the slot map is loaded before a command is routed: redis-py picks a command's routing
+      policy before it initializes, so the first commands of a fresh (or reset) client that run
+      concurrently go to an arbitrary node, collect MOVED, and five MOVED close every
+      connection, failing the commands in flight on them;
+    * MULTI commands are queued on the caller's thread (`_QueueHereTransaction`);
+    * XREAD / XREADGROUP keys are found without asking the server (`_StreamKeysParser`).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands_parser = _StreamKeysParser()
+
+    async def execute_command(self, *args, **kwargs):
+        await self.initialize()      # at once when already initialized
+        return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction=None, shard_hint=None) -> ClusterPipeline:
+        pipe = super().pipeline(transaction, shard_hint)
+        if transaction:
+            pipe._execution_strategy = _QueueHereTransaction(pipe)
+        return pipe
+
+
+class _QueueHereTransaction(TransactionStrategy):
+    """MULTI ... EXEC whose commands are queued on the caller's thread.
+
+    redis-py 8.1 queues each command of a cluster transaction through a new thread running an
+    event loop of its own (to find the command's slot); on a client whose slot map is not loaded
+    (fresh, or reset by a connection error) that thread opens the connections, bound to a loop
+    that is gone when EXEC runs on them. Here a command's slot is its first key's: keys.py keeps
+    a MULTI's keys in one slot, and a command whose other keys are not is refused at EXEC
+    (CROSSSLOT), as commands of two slots are before it (CrossSlotTransactionError).
+    """
+
+    def execute_command(self, *args, **kwargs):
+        if self._watching or args[0] in self.IMMEDIATE_EXECUTE_COMMANDS:
+            return super().execute_command(*args, **kwargs)
+        self._pipeline_slots.add(self._pipe.cluster_client.keyslot(args[1]))
+        return AbstractStrategy.execute_command(self, *args, **kwargs)
+
+    async def execute(self, *args, **kwargs):
+        await self._pipe.cluster_client.initialize()    # the slot map, on the caller's loop
+        return await super().execute(*args, **kwargs)
+
+
+class _StreamKeysParser(AsyncCommandsParser):
+    """Finds the keys of XREAD / XREADGROUP locally.
+
+    They have "movable keys", for which redis-py's parser asks the server (`COMMAND GETKEYS`)
+    on every call: one more round trip per read, all of them to one node.
+    """
+
+    # option -> how many arguments it takes with it, before STREAMS
+    _OPTIONS = {"COUNT": 2, "BLOCK": 2, "NOACK": 1, "GROUP": 3}
+
+    async def get_keys(self, *args):
+        name = str(args[0]).upper()
+        if name not in ("XREAD", "XREADGROUP"):
+            return await super().get_keys(*args)
+        pos = 1
+        while pos < len(args) and _word(args[pos]) != "STREAMS":
+            pos += self._OPTIONS.get(_word(args[pos]), 1)
+        streams = args[pos + 1:]
+        return list(streams[:len(streams) // 2])
+
+
+def _word(arg) -> str:
+    return (arg.decode() if isinstance(arg, bytes) else str(arg)).upper()

@@ -12,20 +12,19 @@ import asyncio
 import time
 
 import grpc
-import redis.exceptions
 import tenacity
 
+from llmserve import redis_client
 from llmserve.errors import Unavailable
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """UNAVAILABLE from gRPC, our own Unavailable, and Redis connection trouble."""
+    """UNAVAILABLE from gRPC, our own Unavailable, and Redis connection trouble (a cluster failover too)."""
     if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
         return exc.code() in RETRYABLE_CODES
-    return isinstance(exc, (Unavailable, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                            ConnectionError))
+    return isinstance(exc, (Unavailable, *redis_client.UNAVAILABLE_ERRORS, ConnectionError))
 
 
 def remaining(deadline: float | None, floor: float = 0.001) -> float | None:

