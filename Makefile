@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: up test setup model protos bench clean
+.PHONY: up test setup model protos bench clean test-kernels-asan
 
 setup: $(STAMP) model
 
@@ -23,6 +23,11 @@ up: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Opt-in: the CPU-executed CUDA kernel tests built with AddressSanitizer (reports name the .cu line).
+test-kernels-asan: setup
+	LLMSERVE_KERNELS_ASAN=1 ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(g++ -print-file-name=libasan.so)" \
+		$(PY) -m pytest tests/cuda_cpu -p no:cacheprovider $(PYTEST_ARGS)
 
 protos: $(STAMP)
 	$(PY) -m llmserve.protogen

@@ -1,7 +1,7 @@
 // Shared device helpers for the llmserve kernels: element types, 8-element chunk loads/stores,
 // warp and block reductions. Header-free on purpose: NVRTC (CuPy's RawModule) ships no
 // cuda_fp16.h / cuda_bf16.h, and include paths differ between machines, so the two 16-bit types
-// are plain storage structs converted with PTX cvt instructions (bf16 rounding needs sm_80+).
+// are plain storage structs: fp16 converted with PTX cvt instructions, bf16 with integer ops.
 #pragma once
 
 namespace llmserve {
@@ -15,8 +15,8 @@ struct alignas(2) f16 { unsigned short bits; };
 struct alignas(2) bf16 { unsigned short bits; };
 
 // ---- scalar conversions (fp32 is the compute type of every kernel) ----
-// The 16-bit ones are PTX cvt instructions. tests/cuda_cpu/cuda_shim.h, which runs these kernels
-// on the CPU, defines LLMSERVE_HOST_CONVERSIONS and bit-exact software versions of the three.
+// fp16 ones are PTX cvt instructions; tests/cuda_cpu/cuda_shim.h, which runs these kernels on the
+// CPU, defines LLMSERVE_HOST_CONVERSIONS and bit-exact software versions of the two.
 #ifndef LLMSERVE_HOST_CONVERSIONS
 __device__ __forceinline__ float f16_bits_to_float(unsigned short bits) {
   float f;
@@ -28,12 +28,15 @@ __device__ __forceinline__ unsigned short float_to_f16_bits(float x) {  // round
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
   return h;
 }
-__device__ __forceinline__ unsigned short float_to_bf16_bits(float x) {  // round to nearest even
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  return h;
-}
 #endif
+
+// Round to nearest even on the bit pattern, NaN to the canonical 0x7fff: what cvt.rn.bf16.f32 gives,
+// without its sm_80 requirement (bf16 models then run on older GPUs too).
+__device__ __forceinline__ unsigned short float_to_bf16_bits(float x) {
+  const unsigned u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;
+  return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(f16 x) { return f16_bits_to_float(x.bits); }

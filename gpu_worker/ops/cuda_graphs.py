@@ -8,7 +8,9 @@ buffers; a step of n <= B sequences is padded up to the smallest captured B >= n
     rows  n .. B-1 : padding: slot -1 (no KV write), context length 0 (attention reads nothing)
 
 Steps with prefills, or more sequences than the largest captured size, run eagerly.
-The model must not sync with the host on the decode path (the CUDA ops backend does not).
+The model must not sync with the host on the decode path. The CUDA ops backend does not, except
+where it falls back to the torch reference (a KV cache the decode kernel does not cover): such a
+model is never captured, every step runs eagerly (`eager_only_reason`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,18 @@ from collections.abc import Callable, Iterable
 import torch
 
 from gpu_worker.model.metadata import AttentionMetadata
+from gpu_worker.ops import cuda
+
+
+def eager_only_reason(kv_cache) -> str | None:
+    """Why decode steps over this cache cannot be captured (None when they can): for a head_dim,
+    block size or dtype the decode kernel lacks, attention runs the torch reference, which reads
+    context lengths on the host, and a host sync inside capture fails."""
+    _, block_size, _, head_dim = kv_cache.k_caches[0].shape
+    dtype = kv_cache.k_caches[0].dtype
+    if cuda.decode_kernel_supports(head_dim, block_size, dtype):
+        return None
+    return f"no decode kernel for head_dim {head_dim}, block_size {block_size}, {dtype}"
 
 
 class _StaticDecodeInputs:
@@ -73,9 +87,12 @@ class DecodeGraphRunner:
         self._outputs: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.disabled_reason = eager_only_reason(kv_cache)
 
     def capture(self) -> None:
-        """Capture every batch size, largest first, sharing one memory pool."""
+        """Capture every batch size, largest first, sharing one memory pool (none when disabled_reason)."""
+        if self.disabled_reason is not None:
+            return
         device = self.kv_cache.k_caches[0].device
         for batch in reversed(self.batch_sizes):
             inputs = _StaticDecodeInputs(batch, self.max_blocks, device)

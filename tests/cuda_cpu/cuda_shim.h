@@ -77,8 +77,8 @@ inline float __expf(float x) { return expf(x); }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 
 // ---------------------------------------------------------------- 16-bit conversions (bit-exact)
-// The PTX cvt.rn instructions common.cuh uses on the GPU, in software: round to nearest even;
-// NaN maps to the canonical quiet NaN as cvt does.
+// The PTX cvt instructions common.cuh uses for fp16 on the GPU, in software: round to nearest even;
+// NaN maps to the canonical quiet NaN as cvt does. (bf16 is integer code in common.cuh itself.)
 
 #define LLMSERVE_HOST_CONVERSIONS
 namespace llmserve {
@@ -103,12 +103,6 @@ inline unsigned short float_to_f16_bits(float x) {
   }
   const unsigned r = a + 0xfffu + ((a >> 13) & 1);                 // round the 13 dropped bits
   return static_cast<unsigned short>(sign | ((r - 0x38000000u) >> 13));
-}
-
-inline unsigned short float_to_bf16_bits(float x) {
-  const unsigned u = __float_as_uint(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;              // NaN
-  return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
 
 }  // namespace llmserve

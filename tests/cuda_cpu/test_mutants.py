@@ -21,24 +21,28 @@ VARIANTS = {
     "paged_attention.cu": [cuda.decode_kernel_name(DTYPE, HEAD_DIM, 16, 4), cuda.reduce_kernel_name(DTYPE, HEAD_DIM)],
     "layernorm.cu": [cuda.norm_kernel_name(fused, DTYPE, DTYPE, 8, warps) for fused in (False, True) for warps in (4, 8)],
 }
+DECODE, NORMS = "paged_attention.cu", "layernorm.cu"  # which check (and build) a mutant needs
 
-# (name, file, line as written, line as mutated)
+# (name, file, line as written, line as mutated, kernel file whose check must catch it)
 MUTANTS = [
     ("block_sum without its first __syncthreads", "common.cuh",
-     "  if (lane == 0) red[warp] = x;\n  __syncthreads();\n", "  if (lane == 0) red[warp] = x;\n"),
+     "  if (lane == 0) red[warp] = x;\n  __syncthreads();\n", "  if (lane == 0) red[warp] = x;\n", NORMS),
     ("decode warps merged without the barrier", "paged_attention.cu",
-     "  __syncthreads();\n\n  // Stage 5", "\n  // Stage 5"),
+     "  __syncthreads();\n\n  // Stage 5", "\n  // Stage 5", DECODE),
     ("warp_sum one step short", "common.cuh",
-     "for (int mask = WIDTH / 2; mask >= 1; mask /= 2) x +=", "for (int mask = WIDTH / 2; mask >= 2; mask /= 2) x +="),
+     "for (int mask = WIDTH / 2; mask >= 1; mask /= 2) x +=", "for (int mask = WIDTH / 2; mask >= 2; mask /= 2) x +=",
+     NORMS),
     ("token groups merged one step short", "paged_attention.cu",
-     "for (int mask = L; mask < WARP_SIZE; mask *= 2)", "for (int mask = L; mask < WARP_SIZE / 2; mask *= 2)"),
+     "for (int mask = L; mask < WARP_SIZE; mask *= 2)", "for (int mask = L; mask < WARP_SIZE / 2; mask *= 2)", DECODE),
     ("split-K reduce reads partitions nobody wrote", "paged_attention.cu",
      "const int used = min(num_partitions, (context_lens[seq] + partition_tokens - 1) / partition_tokens);",
-     "const int used = num_partitions;"),
+     "const int used = num_partitions;", DECODE),
     ("partial last block dropped", "paged_attention.cu",
-     "const int ctx_blocks = (context_len + BLOCK_SIZE - 1) / BLOCK_SIZE;", "const int ctx_blocks = context_len / BLOCK_SIZE;"),
+     "const int ctx_blocks = (context_len + BLOCK_SIZE - 1) / BLOCK_SIZE;", "const int ctx_blocks = context_len / BLOCK_SIZE;",
+     DECODE),
     ("one token past the context scored", "paged_attention.cu",
-     "(first_token + tg + j * TPW < context_len) ? dot : neg_inf", "(first_token + tg + j * TPW <= context_len) ? dot : neg_inf"),
+     "(first_token + tg + j * TPW < context_len) ? dot : neg_inf", "(first_token + tg + j * TPW <= context_len) ? dot : neg_inf",
+     DECODE),
 ]
 
 
@@ -78,10 +82,13 @@ def _norm_check() -> object:
     return outs
 
 
-def failures(kernel_dir: Path) -> list[str]:
-    """Run the checks on the kernels in kernel_dir in every order; what failed, and how."""
+CHECKS = {DECODE: _decode_check, NORMS: _norm_check}
+
+
+def failures(kernel_dir: Path, files: tuple[str, ...] = (DECODE, NORMS)) -> list[str]:
+    """Run the checks of `files` on the kernels in kernel_dir in every order; what failed, and how."""
     found = []
-    for check in (_decode_check, _norm_check):
+    for check in (CHECKS[f] for f in files):
         results = []
         for order, seed in ORDERS:
             launcher = cb.CpuLauncher(order, seed, kernel_dir=kernel_dir, variants=VARIANTS)
@@ -99,16 +106,17 @@ def failures(kernel_dir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def compiled(built):
     """Build the unchanged copy and every mutant in parallel up front."""
-    for kernel_dir in [mutant_dir("unchanged", None, "", "")] + [mutant_dir(*m) for m in MUTANTS]:
-        cb.build_all(kernel_dir, VARIANTS)
+    cb.build_all(mutant_dir("unchanged", None, "", ""), VARIANTS)
+    for name, file, old, new, caught_by in MUTANTS:
+        cb.build_all(mutant_dir(name, file, old, new), {caught_by: VARIANTS[caught_by]})
 
 
 def test_unchanged_copy_passes(compiled):
     assert failures(mutant_dir("unchanged", None, "", "")) == []
 
 
-@pytest.mark.parametrize(("name", "file", "old", "new"), MUTANTS, ids=[m[0] for m in MUTANTS])
-def test_every_mutant_fails(compiled, name, file, old, new):
-    found = failures(mutant_dir(name, file, old, new))
+@pytest.mark.parametrize(("name", "file", "old", "new", "caught_by"), MUTANTS, ids=[m[0] for m in MUTANTS])
+def test_every_mutant_fails(compiled, name, file, old, new, caught_by):
+    found = failures(mutant_dir(name, file, old, new), (caught_by,))
     assert found, f"mutant survived: {name}"
     print(f"{name}: {found[0]}")

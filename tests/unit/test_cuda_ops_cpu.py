@@ -4,6 +4,10 @@ tests/cuda_cpu."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -121,3 +125,58 @@ def test_static_decode_inputs_pad_rows_write_nothing_and_read_nothing():
     assert static.block_tables[:2].tolist() == [[2, 9, 5, 0, 0, 0], [4, 0, 0, 0, 0, 0]]
     assert static.meta.decode_block_tables is static.block_tables
     assert static.meta.logits_indices.tolist() == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------ GPU-only hazards
+
+
+def _decode_meta(batch: int, max_blocks: int):
+    from gpu_worker.model.metadata import AttentionMetadata
+
+    i32 = dict(dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64), num_prefills=0, num_prefill_tokens=0,
+        prefill_query_start_loc=torch.zeros(1, **i32), prefill_context_lens=torch.zeros(0, **i32),
+        prefill_block_tables=torch.zeros(0, max_blocks, **i32), decode_context_lens=torch.ones(batch, **i32),
+        decode_block_tables=torch.zeros(batch, max_blocks, **i32), logits_indices=torch.arange(batch))
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "reason"), [(96, 16, "head_dim 96"), (64, 12, "block_size 12"),
+                                                                (64, 16, None)])
+def test_decode_graphs_stay_off_where_attention_falls_back_to_the_reference(head_dim, block_size, reason):
+    """The reference decode reads context lengths on the host: capturing it would fail, so such a
+    cache runs every step eagerly (and capture() touches no CUDA API)."""
+    from types import SimpleNamespace
+
+    from gpu_worker.ops.cuda_graphs import DecodeGraphRunner
+
+    cache = SimpleNamespace(k_caches=[torch.zeros(4, block_size, 2, head_dim, dtype=torch.float16)])
+    calls = []
+    runner = DecodeGraphRunner(None, cache, batch_sizes=(1, 4), max_blocks=8,
+                               forward=lambda ids, pos, meta: calls.append(ids.shape[0]) or ids)
+    if reason is None:
+        assert runner.disabled_reason is None
+        return
+    assert reason in runner.disabled_reason
+    runner.capture()
+    meta = _decode_meta(3, 8)
+    assert runner.graph_batch(3, meta) is None
+    runner.run(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), meta)
+    assert calls == [3]  # eager, unpadded
+
+
+NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.access(p, os.X_OK)), None)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: pre-sm_80 bf16 build NOT checked")
+def test_bf16_kernels_build_for_gpus_before_sm80(tmp_path):
+    """bf16 is torch's default wherever it says bf16 is supported, sm_75 included: the bf16 kernels
+    must not use sm_80-only instructions (cvt.rn.bf16.f32)."""
+    bf16 = [e for exprs in cuda.hot_name_expressions().values() for e in exprs if "bf16" in e]
+    for filename, expressions in cuda.hot_name_expressions().items():
+        keep = ", ".join(f"(void*)&{e}" for e in expressions if e in bf16)
+        tu = tmp_path / f"{filename}_sm75.cu"
+        tu.write_text(f'#include "{cuda.KERNEL_DIR / filename}"\nvoid* keep[] = {{{keep}}};\n')
+        proc = subprocess.run([NVCC, "-std=c++17", "-arch=sm_75", "-cubin", "-o", str(tu.with_suffix(".cubin")),
+                               str(tu)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{filename} for sm_75:\n{proc.stderr[-3000:]}"
