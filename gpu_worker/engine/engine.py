@@ -154,8 +154,10 @@ class LLMEngine:
                 self.counters.prompt_tokens_computed += item.num_tokens
         if not to_sample:
             return []
-        rows = torch.tensor([r for r, _ in to_sample], device=logits.device)
-        tokens = self.sampler(logits.index_select(0, rows), [s for _, s in to_sample])
+        if len(to_sample) < logits.shape[0]:  # only some rows finished their context: pick those
+            rows = torch.tensor([r for r, _ in to_sample], device=logits.device)
+            logits = logits.index_select(0, rows)
+        tokens = self.sampler(logits, [s for _, s in to_sample])
         return [self._accept(seq, token) for (_, seq), token in zip(to_sample, tokens)]
 
     def _accept(self, seq: Sequence, token: int) -> StepOutput:

@@ -2,8 +2,9 @@
 
 One forward runs every sequence of a step at once (prefill chunks then decodes,
 see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
-matmuls (cuBLAS on GPU; oneDNN with prepacked weights on CPU after
-`prepack_for_cpu`). Q/K/V and gate/up projections are fused into one GEMM each.
+matmuls (cuBLAS on GPU; on CPU after `prepack_for_cpu`, oneDNN with prepacked fp32 weights
+or torch's weight-only int8/int4 kernels). Q/K/V and gate/up projections are fused into one
+GEMM each. CPU decode attention reads the paged cache in place (ops/cpu_attention.py).
 
 Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
 """
@@ -21,7 +22,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
-from gpu_worker.ops import get_ops, packed_linear, quantized_linear
+from gpu_worker.ops import cpu_attention, get_ops, packed_linear, quantized_linear
 from gpu_worker.ops.packed_linear import linear
 
 
@@ -76,7 +77,9 @@ class LlamaDecoderLayer(nn.Module):
                 meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
             )
         if meta.num_decodes > 0:
-            out[num_prefill:] = ops.paged_decode_attention(
+            # on CPU a kernel that reads the blocks in place (ops/cpu_attention.py)
+            decode_attention = cpu_attention.paged_decode_attention if q.is_cpu else ops.paged_decode_attention
+            out[num_prefill:] = decode_attention(
                 q[num_prefill:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
             )
         return linear(out.view(-1, c.q_size), self.o_weight)  # [T, H]

@@ -1,0 +1,57 @@
+"""CPU paged decode attention (C kernel over the blocks in place) against the gather + SDPA reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.ops import cpu_attention, reference
+
+pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler to build the CPU kernel")
+
+
+def make_case(num_seqs: int, lens: list[int], num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+              block_size: int = 16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 200
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    width = -(-max(lens) // block_size) + 1  # one padding column, as the metadata builder pads
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * width].view(num_seqs, width).int()
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("lens,heads", [([1], (9, 3)), ([37, 16, 5], (9, 3)), ([200] * 4, (8, 8)),
+                                        ([17, 64], (16, 1))])
+def test_matches_the_reference(lens, heads):
+    q, k, v, tables, ctx = make_case(len(lens), lens, *heads)
+    out = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125)
+    torch.testing.assert_close(out, reference.paged_decode_attention(q, k, v, tables, ctx, 0.125),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_sequence_gets_the_same_bits_in_any_batch():
+    q, k, v, tables, ctx = make_case(6, [40, 3, 77, 16, 1, 59], seed=4)
+    batch = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125)
+    for i in range(6):
+        alone = cpu_attention.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1, : -(-int(ctx[i]) // 16)],
+                                                     ctx[i:i + 1], 0.125)
+        assert torch.equal(alone, batch[i:i + 1]), i
+
+
+def test_reads_only_the_blocks_of_the_table():
+    """Poison every block no table names: the output must not change (and stay finite)."""
+    q, k, v, tables, ctx = make_case(2, [30, 9], seed=5)
+    clean = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125)
+    used = set(tables[0, :2].tolist()) | set(tables[1, :1].tolist())
+    unused = torch.tensor([b for b in range(k.shape[0]) if b not in used])
+    k[unused], v[unused] = float("nan"), float("nan")
+    assert torch.equal(cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125), clean)
+
+
+def test_other_dtypes_fall_back_to_the_reference():
+    q, k, v, tables, ctx = make_case(2, [30, 9], seed=6)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125)
+    assert torch.equal(out, reference.paged_decode_attention(q, k, v, tables, ctx, 0.125))
