@@ -250,16 +250,18 @@ def _error_response(exc: BaseException, request_id: str) -> Response:
 
 
 class HttpServer:
-    """uvicorn serving `app` on a socket bound here, in the running event loop.
+    """uvicorn serving `app` on a socket bound here, in the running event loop (HTTPS with the
+    gRPC server's certificate when one is set).
 
     uvicorn's own `serve()` would install its signal handlers over the gateway's; this runs its
     startup / main loop / shutdown steps instead, and stops when told.
     """
 
-    def __init__(self, app: Starlette, host: str, port: int) -> None:
+    def __init__(self, app: Starlette, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> None:
         self.socket = socket.create_server((host, max(0, port)), reuse_port=False)
         self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off"))
+        tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **tls))
         self._task = None
 
     async def start(self) -> None:

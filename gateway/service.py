@@ -102,7 +102,7 @@ class InferenceService:
     async def _start_http(self) -> None:
         """The OpenAI-compatible endpoint, bound before it is reported (as the gRPC port is)."""
         self.http = HttpServer(OpenAIHttp(self, ready=lambda: self.serving).app, self.settings.host,
-                               self.settings.http_port)
+                               self.settings.http_port, self.settings.tls_cert, self.settings.tls_key)
         await self.http.start()
         if self.settings.http_port_file:
             write_port_file(self.settings.http_port_file, self.http.port)

@@ -77,7 +77,8 @@ def secure(tmp_path_factory):
     directory = tmp_path_factory.mktemp("secure-stack")
     cert, key = make_cert(directory)
     valkey = ValkeyServer(password=REDIS_PASSWORD).start()
-    config = StackConfig(workers=1, device="cpu", port=0, gateways=0, tenants=TENANTS, redis_url=valkey.url,
+    config = StackConfig(workers=1, device="cpu", port=0, http_port=-1, gateways=0, tenants=TENANTS,
+                         redis_url=valkey.url,
                          log_dir=directory / "logs",
                          extra_flags={"gateway": ["--tls-cert", str(cert), "--tls-key", str(key),
                                                   "--reflection", "false"]})
@@ -336,3 +337,20 @@ def test_redis_password_is_on_no_process_command_line(secure):
             leaks.append((pid, cmdline))
     assert leaks == []
 
+
+
+def test_openai_http_is_https_with_the_gateways_certificate(secure, tmp_path):
+    import ssl
+
+    import openai
+
+    (tmp_path / "ca.pem").write_bytes(secure.root_cert)
+    base = secure.stack.http_url.replace("http://", "https://") + "/v1"
+    with openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))) as http:
+        client = openai.OpenAI(base_url=base, api_key=KEYS["dev"], http_client=http, max_retries=0)
+        reply = client.chat.completions.create(model="smollm2-135m", max_tokens=4, temperature=0,
+                                               messages=[{"role": "user", "content": "Hello"}])
+        assert reply.usage.completion_tokens > 0
+    with pytest.raises(openai.APIConnectionError):     # plaintext HTTP to the TLS port
+        openai.OpenAI(base_url=secure.stack.http_url + "/v1", api_key=KEYS["dev"], max_retries=0,
+                      timeout=10).models.list()

@@ -274,7 +274,8 @@ def test_manifest_env_and_flags_are_real_settings(name):
         assert settings.host == "0.0.0.0"
         port = int(env["LLMSERVE_PORT"])
         assert settings.port == port and settings.metrics_port == 9100
-        assert {p["containerPort"] for p in container["ports"]} == {port, 9100} | ({settings.health_port} - {0})
+        http = {getattr(settings, "http_port", 0)} - {0}
+        assert {p["containerPort"] for p in container["ports"]} == {port, 9100} | ({settings.health_port} - {0}) | http
         # kubelet's gRPC probe speaks no TLS: a TLS service is probed on its plaintext health-only port
         probe_port = settings.health_port if settings.tls_cert else port
         for probe in ("readinessProbe", "livenessProbe"):
@@ -488,7 +489,7 @@ def test_only_the_gateway_is_reachable_from_outside():
             for rule in policy["spec"].get("ingress", []):
                 if not rule.get("from"):      # open to any source
                     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "gateway"
-                    assert [p["port"] for p in rule["ports"]] == [50051]
+                    assert [p["port"] for p in rule["ports"]] == [50051, 8000]  # gRPC, OpenAI HTTP
                 for peer in rule.get("from", []):
                     assert "ipBlock" not in peer
 
