@@ -152,7 +152,8 @@ class Flow:
                                                call.tenant.raw_special_tokens)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.context_length,
                                     call.tenant.max_new_tokens, self.limits)
-        sampling.stop_token_ids.extend(model.eos_token_ids)
+        if not request.sampling.ignore_eos:
+            sampling.stop_token_ids.extend(model.eos_token_ids)
         cost = len(prompt_ids) + sampling.max_new_tokens
         if cost > call.tenant.tokens_per_minute:
             raise InvalidArgument("sampling.max_new_tokens", f"prompt + max_new_tokens = {cost} exceeds the "

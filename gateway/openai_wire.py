@@ -52,6 +52,8 @@ def _sampling(body: dict) -> pb.SamplingParams:
         if seed < 0:
             raise InvalidArgument("seed", "must be >= 0")
         sampling.seed = seed
+    if _get(body, "ignore_eos", (bool,), "a boolean"):
+        sampling.ignore_eos = True
     sampling.stop.extend(_stops(body))
     return sampling
 

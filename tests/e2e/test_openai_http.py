@@ -151,3 +151,13 @@ def wait_until(predicate, timeout_s: float) -> bool:
 def running_sequences(client: redis.Redis, model_id: str) -> int:
     beats = [queue_pb2.WorkerHeartbeat.FromString(v) for v in client.hgetall(keys.workers_hash(model_id)).values()]
     return sum(b.running + b.waiting for b in beats)
+
+
+def test_ignore_eos_generates_every_requested_token(client):
+    """Benchmarks ask for fixed output lengths (vLLM's `ignore_eos`); without it the answer stops early."""
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    short = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=48)
+    assert short.usage.completion_tokens < 48 and short.choices[0].finish_reason == "stop"
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=48,
+                                          extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 48 and full.choices[0].finish_reason == "length"
