@@ -21,4 +21,5 @@ def test_public_contract_names():
     assert inference_pb2.FinishReason.Name(3) == "FINISH_REASON_CANCELLED"
     assert inference_pb2.Priority.Name(0) == "PRIORITY_UNSPECIFIED"
     fields = inference_pb2.SamplingParams.DESCRIPTOR.fields_by_name
-    assert set(fields) == {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "repetition_penalty"}
+    assert set(fields) == {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "repetition_penalty",
+                           "ignore_eos"}
