@@ -48,6 +48,7 @@ def _up(args: argparse.Namespace) -> int:
             supervisor.poll()
     finally:
         print("stopping...", flush=True)
+        supervisor.stop()
         codes = stack.stop()
         print("stopped: " + ", ".join(f"{name}={code}" for name, code in codes.items()), flush=True)
     return 0

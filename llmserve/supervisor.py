@@ -61,12 +61,20 @@ class Supervisor:
         self._held: set[str] = set()
         self._lock = threading.Lock()
         self._roll: threading.Thread | None = None
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Start nothing more (before the stack stops): a roll in progress ends at its next step."""
+        with self._lock:
+            self._stopped = True
 
     # -- restarts ------------------------------------------------------------------------------------
     def poll(self, now: float | None = None) -> None:
         """Notice exited services and start the ones whose backoff is over."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            if self._stopped:
+                return
             for name, proc in self.stack.services.items():
                 slot = self.slots.setdefault(name, _Slot())
                 if name in self._held or slot.given_up or proc.alive():
@@ -131,7 +139,10 @@ class Supervisor:
             if code is None:
                 proc.process.kill()
                 proc.process.wait()
-            proc.start()
+            with self._lock:
+                if self._stopped:
+                    return
+                proc.start()
             proc.wait_serving(deadline)
             self.say(f"{proc.name} replaced (old one exited {code}) and SERVING")
         finally:
