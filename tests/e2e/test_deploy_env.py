@@ -8,13 +8,13 @@ then every service gets SIGTERM and must exit 0 (the drain path the manifests' g
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
 import grpc
 import pytest
 
+import kustomize_render as kustomize
 from llmserve import keys
 from llmserve.stack import REPO_ROOT, ServiceProcess
 from llmserve.v1 import inference_pb2 as pb
@@ -28,10 +28,7 @@ POD_NAMES = {name: f"{name}-5d8f7c9b4-x2x7q" for name in START_ORDER}
 
 
 def render_dev() -> list[dict]:
-    spec = importlib.util.spec_from_file_location("render_kustomize", REPO_ROOT / "scripts" / "render_kustomize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.render(REPO_ROOT / "deploy" / "k8s" / "overlays" / "dev")
+    return kustomize.render(REPO_ROOT / "deploy" / "k8s" / "overlays" / "dev")
 
 
 def pod_env(objects: list[dict], container: dict, pod_name: str) -> dict[str, str]:

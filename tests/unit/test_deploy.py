@@ -19,7 +19,6 @@ import dataclasses
 import fnmatch
 import hashlib
 import importlib
-import importlib.util
 import json
 import re
 import shlex
@@ -34,6 +33,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import kustomize_render as kustomize
 from llmserve import keys, model_store
 from llmserve.settings import CommonSettings
 
@@ -54,15 +54,14 @@ SECRET_PLACEHOLDER = "secret-from-kubernetes"
 FIELD_PLACEHOLDER = "pod-name-from-downward-api"
 
 
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location("render_kustomize", ROOT / "scripts" / "render_kustomize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+RENDERED = {name: kustomize.render(path) for name, path in KUSTOMIZATIONS.items()}
 
 
-renderer = _load_renderer()
-RENDERED = {name: renderer.render(path) for name, path in KUSTOMIZATIONS.items()}
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+
+
+def pod_specs(obj: dict) -> list[dict]:
+    return [obj["spec"]["template"]["spec"]] if obj.get("kind") in WORKLOADS else []
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
@@ -171,30 +170,6 @@ def parse_duration_s(text: str) -> float:
     parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", text)
     assert parts and "".join(n + u for n, u in parts) == text, f"bad duration {text!r}"
     return sum(float(n) * units[u] for n, u in parts)
-
-
-# -- the renderer -----------------------------------------------------------------------------------------------
-def test_renderer_strategic_merge_follows_merge_keys():
-    base = {"spec": {"containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["--p", "1"]},
-                                    {"name": "b", "image": "b:1"}]}}
-    patch = {"spec": {"containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["--q"]},
-                                     {"name": "b", "$patch": "delete"}]}}
-    merged = renderer.strategic_merge(base, patch)
-    assert merged == {"spec": {"containers": [
-        {"name": "a", "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}], "args": ["--q"]}]}}
-    assert renderer.strategic_merge({"a": 1, "b": 2}, {"b": None}) == {"a": 1}
-    svc = renderer.strategic_merge({"ports": [{"port": 1, "name": "x"}]}, {"ports": [{"port": 1, "name": "y"}]})
-    assert svc == {"ports": [{"port": 1, "name": "y"}]}
-
-
-def test_renderer_rejects_what_it_does_not_support(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
-    with pytest.raises(renderer.RenderError, match="configMapGenerator"):
-        renderer.render(tmp_path)
-    (tmp_path / "kustomization.yaml").write_text("resources: []\npatches: [{path: p.yaml}]\n")
-    (tmp_path / "p.yaml").write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: nope}\n")
-    with pytest.raises(renderer.RenderError, match="not found"):
-        renderer.render(tmp_path)
 
 
 def test_overlays_set_namespace_and_labels_everywhere():
@@ -500,7 +475,7 @@ def test_prod_workers_get_a_gpu_and_the_cuda_image():
     assert worker["image"].split("/")[-1].startswith("llmserve-cuda:")
     assert container_env(RENDERED["prod"], worker)["LLMSERVE_DEVICE"] == "cuda"
     for obj in RENDERED["prod"]:
-        for spec in renderer.pod_specs(obj):
+        for spec in pod_specs(obj):
             for c in spec["containers"]:
                 assert not c["image"].endswith(":latest")
     dev_worker = by_kind(RENDERED["dev"], "Deployment")["worker"]["spec"]["template"]["spec"]["containers"][0]
