@@ -19,10 +19,8 @@ Exit paths (every one gives the lease back):
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import structlog
@@ -39,6 +37,7 @@ from gateway.config import GatewaySettings
 from gateway.models import ModelCatalog, ModelInfo
 from gateway.output import OutputBuilder
 from gateway.quota import Limits, Quota
+from gateway.request_state import Call, Meta, StreamOutcome
 from gateway.shedding import Shedder
 from gateway.streams import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
@@ -52,45 +51,6 @@ logger = structlog.get_logger(__name__)
 def limits_of(tenant: Tenant) -> Limits:
     return Limits(tenant.id, tenant.requests_per_second, tenant.burst, tenant.tokens_per_minute,
                   tenant.max_concurrent)
-
-
-@dataclass
-class Call:
-    """Per-call state the handler shares with the flow."""
-
-    tenant: Tenant
-    request_id: str
-    deadline: float | None                    # monotonic, from the client's deadline
-    resume_from: int = 0
-    headers: list[tuple[str, str]] = field(default_factory=list)  # ratelimit headers for initial metadata
-
-
-@dataclass
-class Meta:
-    """The request meta hash: who owns the request and what a resumer needs."""
-
-    owner: str
-    model: str
-    prompt_tokens: int
-    cost: int
-    stops: list[str]
-    arrival_ms: int
-    enqueued_ms: int
-    work_key: str = ""     # the work stream and entry id of the queued item (to tell queued from dispatched)
-    entry_id: str = ""
-    error: str = ""        # set when the request failed for good before any token (max queue wait)
-
-    def to_redis(self) -> dict[str, str]:
-        return {"owner": self.owner, "model": self.model, "prompt_tokens": str(self.prompt_tokens),
-                "cost": str(self.cost), "stops": json.dumps(self.stops), "arrival_ms": str(self.arrival_ms),
-                "enqueued_ms": str(self.enqueued_ms), "work_key": self.work_key, "entry_id": self.entry_id}
-
-    @classmethod
-    def from_redis(cls, raw: dict) -> "Meta":
-        d = {k.decode(): v.decode() for k, v in raw.items()}
-        return cls(d["owner"], d["model"], int(d["prompt_tokens"]), int(d["cost"]), json.loads(d["stops"]),
-                   int(d["arrival_ms"]), int(d["enqueued_ms"]), d.get("work_key", ""), d.get("entry_id", ""),
-                   d.get("error", ""))
 
 
 class Flow:
@@ -225,7 +185,7 @@ class Flow:
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
         lease = await self._attach(call)
         metrics.IN_FLIGHT.inc()
-        outcome, failure = "detached", ""
+        outcome, failure = StreamOutcome.DETACHED, ""
         try:
             async for event in self._events(call, watch, lease):
                 chunk = builder.feed(event)
@@ -234,22 +194,22 @@ class Flow:
                 watch.observe_chunk(chunk, model.id, builder)
                 if builder.done:
                     chunk.usage.CopyFrom(watch.usage(builder, meta))
-                    outcome = "stopped" if chunk.finish_reason == pb.FINISH_REASON_STOP and \
-                        not event.final else "finished"
+                    outcome = StreamOutcome.STOPPED if chunk.finish_reason == pb.FINISH_REASON_STOP and \
+                        not event.final else StreamOutcome.FINISHED
                 if chunk.index >= call.resume_from:
                     yield chunk
                 if builder.done:
                     return
-            outcome = "cancelled"  # the cancel grace ran out without a final event
+            outcome = StreamOutcome.CANCELLED  # the cancel grace ran out without a final event
             yield watch.cancelled_chunk(builder, meta)
         except QueueWaitExceeded as exc:
-            outcome, failure = "abandoned", exc.message
+            outcome, failure = StreamOutcome.ABANDONED, exc.message
             raise
         except (DeadlineExceeded, Unavailable):
-            outcome = "abandoned"
+            outcome = StreamOutcome.ABANDONED
             raise
         except Exception:
-            outcome = "finished" if builder.done else "abandoned"
+            outcome = StreamOutcome.FINISHED if builder.done else StreamOutcome.ABANDONED
             raise
         finally:
             metrics.IN_FLIGHT.dec()
@@ -295,8 +255,8 @@ class Flow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: str, failure: str = "",
-                      lease: ViewerLease | None = None) -> None:
+    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: StreamOutcome,
+                      failure: str = "", lease: ViewerLease | None = None) -> None:
         meta_key = keys.request_meta(call.tenant.id, call.request_id)
         used = meta.prompt_tokens + builder.next_index
         try:
@@ -305,13 +265,13 @@ class Flow:
             if failure:
                 await self.redis.hset(meta_key, "error", failure)
             viewers = int(await self.redis.hincrby(meta_key, "viewers", -1))
-            if outcome == "detached":
+            if outcome is StreamOutcome.DETACHED:
                 await asyncio.sleep(self.settings.detach_grace_s)
                 if int(await self.redis.hget(meta_key, "viewers") or 0) > 0 or \
                         await self.redis.hget(meta_key, "done"):
                     return  # a resumed viewer carries on and will release
                 logger.info("client gone; cancelling", viewers=viewers)
-            if outcome in ("detached", "abandoned", "stopped"):
+            if outcome.cancels_the_request:
                 await self.cancel(call.tenant.id, call.request_id)
             else:
                 await self.redis.hset(meta_key, "done", "1")

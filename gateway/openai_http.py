@@ -34,7 +34,7 @@ from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
 
 from gateway import metrics
-from gateway.flow import Call
+from gateway.request_state import Call
 from gateway.openai_wire import FINISH, Parsed, parse_chat, parse_completion
 
 logger = structlog.get_logger(__name__)

@@ -88,6 +88,10 @@ class OutputBuilder:
             return None
         return pb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, index=start)
 
+    def cancelled(self) -> pb.GenerateResponse:
+        """The last chunk of a stream cancelled without a final event from the worker."""
+        return self._final(self.next_index, [], "", pb.FINISH_REASON_CANCELLED)
+
     def _final(self, start: int, ids: list[int], text: str, reason: int) -> pb.GenerateResponse:
         self.done = True
         self.finish_reason = reason

@@ -23,7 +23,8 @@ from llmserve.v1 import inference_pb2 as pb
 
 from gateway import metrics
 from gateway.config import GatewaySettings
-from gateway.flow import Call, Flow, limits_of
+from gateway.flow import Flow, limits_of
+from gateway.request_state import Call
 from gateway.models import ModelCatalog
 from gateway.openai_http import HttpServer, OpenAIHttp
 from gateway.quota import Quota

@@ -14,7 +14,9 @@ from llmserve.v1 import queue_pb2
 
 from gateway import metrics
 from gateway.config import GatewaySettings
+from gateway.output import OutputBuilder
 from gateway.quota import Quota
+from gateway.request_state import Call, Meta
 
 _MAX_BLOCK_MS = 500
 
@@ -28,7 +30,8 @@ def _now_ms() -> float:
 
 
 class Watch:
-    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, quota: Quota, call, meta) -> None:
+    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, quota: Quota, call: Call,
+                 meta: Meta) -> None:
         self.settings = settings
         self.redis = redis
         self.quota = quota
@@ -88,7 +91,7 @@ class Watch:
         return now - self.cancel_seen_s < self.settings.cancel_grace_s
 
     # -- timings -------------------------------------------------------------------------------------------
-    def observe_chunk(self, chunk: pb.GenerateResponse, model: str, builder) -> None:
+    def observe_chunk(self, chunk: pb.GenerateResponse, model: str, builder: OutputBuilder) -> None:
         now_s = time.monotonic()
         if chunk.token_ids and self.first_token_ms is None:
             self.first_token_ms = _now_ms()
@@ -100,7 +103,7 @@ class Watch:
         if builder.done:
             metrics.E2E.labels(model).observe(max(0.0, _now_ms() - self.meta.arrival_ms) / 1000)
 
-    def usage(self, builder, meta) -> pb.Usage:
+    def usage(self, builder: OutputBuilder, meta: Meta) -> pb.Usage:
         end = _now_ms()
         first = self.first_event
         admitted = first.admitted_unix_ms if first is not None and first.admitted_unix_ms else 0
@@ -112,9 +115,7 @@ class Watch:
             queue_ms=max(0.0, admitted - meta.enqueued_ms) if admitted else 0.0,
             ttft_ms=max(0.0, ttft), total_ms=max(0.0, end - meta.arrival_ms))
 
-    def cancelled_chunk(self, builder, meta) -> pb.GenerateResponse:
-        builder.done = True
-        chunk = pb.GenerateResponse(request_id=self.call.request_id, index=builder.next_index,
-                                    finish_reason=pb.FINISH_REASON_CANCELLED)
+    def cancelled_chunk(self, builder: OutputBuilder, meta: Meta) -> pb.GenerateResponse:
+        chunk = builder.cancelled()
         chunk.usage.CopyFrom(self.usage(builder, meta))
         return chunk
