@@ -19,11 +19,11 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
 from tokenizer_svc import chat_template
 from tokenizer_svc.gguf_vocab import build_tokenizer, read_vocab
 from tokenizer_svc.literal import LiteralSpecials, encode_ids
 
-DEFAULT_CONTEXT_LENGTH = 2048
 
 
 @dataclass
@@ -127,27 +127,17 @@ def load_gguf(path: Path) -> ModelTokenizer:
     fields = gguf_fields(path)
     vocab = read_vocab(fields)
     tokens = vocab.tokens
-    eos_ids = _gguf_eos_ids(fields)
-    arch = fields.get("general.architecture", "llama")
+    meta = read_metadata(fields.get)
+    eos_ids = list(meta.eos_token_ids)
     return ModelTokenizer(
         tokenizer=build_tokenizer(vocab),
         chat_template=fields.get("tokenizer.chat_template"),
         bos_token=tokens[vocab.bos_id] if vocab.bos_id is not None else None,
         eos_token=tokens[eos_ids[0]] if eos_ids else None,
         eos_token_ids=eos_ids,
-        context_length=int(fields.get(f"{arch}.context_length", DEFAULT_CONTEXT_LENGTH)),
+        context_length=meta.context_length,
         extra_special_tokens=_gguf_named_tokens(fields, tokens),
     )
-
-
-def _gguf_eos_ids(fields: dict[str, Any]) -> list[int]:
-    """EOS, then end-of-turn / end-of-message ids when the GGUF names them (llama.cpp stops on all)."""
-    ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-        value = fields.get(key)
-        if value is not None and int(value) not in ids:
-            ids.append(int(value))
-    return ids
 
 
 def _gguf_named_tokens(fields: dict[str, Any], tokens: list[str]) -> dict[str, str]:

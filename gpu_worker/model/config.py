@@ -6,6 +6,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -32,7 +34,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     # per-frequency divisors [head_dim / 2] (GGUF `rope_freqs` tensor); applied on top of rope_theta
     rope_freq_factors: tuple[float, ...] | None = None
-    context_length: int = 4096
+    context_length: int = DEFAULT_CONTEXT_LENGTH
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     bos_token_id: int | None = None

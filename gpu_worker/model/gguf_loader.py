@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from gpu_worker.model.config import ModelConfig, RopeScaling
 from llmserve import model_store
+from llmserve.gguf_metadata import read_metadata
 
 logger = structlog.get_logger(__name__)
 
@@ -106,13 +107,13 @@ def _tensor(reader: GGUFReader, name: str):
 
 def read_config(reader: GGUFReader, unpermute: bool = True) -> ModelConfig:
     """GGUF metadata -> ModelConfig."""
-    arch = _field(reader, "general.architecture", "llama")
+    meta = read_metadata(lambda key: _field(reader, key))
+    arch = meta.architecture
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     embed = _tensor(reader, "token_embd.weight")
-    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
     return ModelConfig(
         vocab_size=int(embed.shape[-1]),  # ggml shapes are innermost-first: [H, V]
         hidden_size=hidden,
@@ -125,11 +126,11 @@ def read_config(reader: GGUFReader, unpermute: bool = True) -> ModelConfig:
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
         rope_freq_factors=_rope_freq_factors(reader),
-        context_length=int(_field(reader, f"{arch}.context_length", 4096)),
+        context_length=meta.context_length,
         tie_word_embeddings=_tensor(reader, "output.weight") is None,
         attention_bias=_tensor(reader, "blk.0.attn_q.bias") is not None,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        bos_token_id=meta.bos_token_id,
+        eos_token_ids=meta.eos_token_ids,
         rope_interleaved=arch in PERMUTED_ARCHS and not unpermute,
         architecture=arch,
     )

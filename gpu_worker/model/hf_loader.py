@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from gpu_worker.model.config import ModelConfig, RopeScaling
+from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH
 
 logger = structlog.get_logger(__name__)
 
@@ -37,7 +38,7 @@ def _rope_scaling(cfg: dict) -> RopeScaling | None:
 
 
 def _context_length(cfg: dict) -> int:
-    length = int(cfg.get("max_position_embeddings", 4096))
+    length = int(cfg.get("max_position_embeddings", DEFAULT_CONTEXT_LENGTH))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
     if window and int(window) < length:
         # full attention is exact only inside the window; cap instead of silently diverging

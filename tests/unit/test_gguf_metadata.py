@@ -1,0 +1,26 @@
+"""One GGUF metadata reader: the tokenizer service and the worker report the same context length,
+EOS set and BOS for the same file, and the same defaults when the file leaves them out."""
+
+from gpu_worker.model.gguf_loader import read_config
+from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
+from tokenizer_svc.loader import load_gguf
+
+
+def test_tokenizer_service_and_worker_agree_on_the_real_gguf(smollm2_path):
+    from gguf import GGUFReader
+
+    tokenizer = load_gguf(smollm2_path)
+    worker = read_config(GGUFReader(smollm2_path))
+    assert tokenizer.context_length == worker.context_length == 8192
+    assert tuple(tokenizer.eos_token_ids) == worker.eos_token_ids
+    assert tokenizer.tokenizer.token_to_id(tokenizer.bos_token) == worker.bos_token_id
+
+
+def test_defaults_and_the_eos_set():
+    fields = {"general.architecture": "qwen2", "tokenizer.ggml.eos_token_id": 2,
+              "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2}
+    meta = read_metadata(fields.get)
+    assert (meta.architecture, meta.context_length, meta.eos_token_ids, meta.bos_token_id) == \
+        ("qwen2", DEFAULT_CONTEXT_LENGTH, (2, 7), None)
+    assert read_metadata({}.get).architecture == "llama"
+    assert read_metadata({"llama.context_length": 1024, "tokenizer.ggml.bos_token_id": 1}.get).context_length == 1024
