@@ -3,6 +3,7 @@ shards a fleet needs.
 
     .venv/bin/python bench/redis_capacity.py [--requests 48] [--concurrency 8] [--max-new-tokens 32]
         [--workers 2] [--idle-s 10] [--tokens-per-s 2000] [--tokens-per-request 256] [--shard-busy 0.5]
+    .venv/bin/python bench/redis_capacity.py --cluster 3     # the same load on a 3-master cluster
 
 Runs the whole stack (`llmserve.stack.Stack`: tokenizer_svc, batcher, gpu_worker ×N on CPU,
 gateway) on one fresh valkey-server, so every command of the fleet lands on one server:
@@ -22,6 +23,10 @@ cost; it is split into admission, queueing, dispatch, completion (per request) a
 and reads (per generated token). From that and a stated fleet (tokens/s per worker, tokens per
 request) it prints the shards needed for 100 and 1,000 workers and which family fills a shard
 first. Writes bench/results/redis_capacity.json.
+
+With `--cluster N` the same load runs on an N-master Valkey Cluster (tests/cluster/valkey_cluster.py)
+instead, and it prints what each node carried, by family, and which node holds the model's {m} tag
+and the tenant's {t} tag: the hot-shard question measured directly (bench/results/redis_cluster.json).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from batcher import scripts as batcher_scripts  # noqa: E402
 from gateway import quota  # noqa: E402
+from llmserve import keys, model_store  # noqa: E402
 from llmserve.loadgen.streams import PROMPTS, StreamLoad  # noqa: E402
 from llmserve.stack import Stack, StackConfig  # noqa: E402
 from llmserve.valkey import ValkeyServer  # noqa: E402
@@ -225,6 +231,50 @@ def measure(args) -> dict:
     return report(args, idle, load, requests, tokens)
 
 
+def measure_cluster(args) -> dict:
+    sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+    from valkey_cluster import ValkeyCluster
+    from redis.crc import key_slot
+
+    cluster = ValkeyCluster(masters=args.cluster).start()
+    clients = [redis.Redis(host="127.0.0.1", port=n.port) for n in cluster.nodes]
+    for c in clients:
+        c.config_set("slowlog-log-slower-than", 0)
+        c.config_set("slowlog-max-len", 2_000_000)
+    stack = Stack(StackConfig(workers=args.workers, device="cpu", port=0, redis_url=cluster.url))
+    model = model_store.model_id(model_store.DEFAULT_MODEL)
+    owners_of = {"{m:" + model + "}": keys.work_stream(model, 0), "{t:dev}": keys.tenant_key("dev", "rate")}
+    try:
+        stack.start()
+        run_load(stack.gateway_target, args.concurrency, args.concurrency, args.max_new_tokens, "warm")
+        started = [reset(c) for c in clients]
+        requests, tokens = run_load(stack.gateway_target, args.requests, args.concurrency, args.max_new_tokens, "load")
+        windows = [collect(c, s, connection_owners(stack, n.port)) for c, s, n in zip(clients, started, cluster.nodes)]
+    finally:
+        stack.close()
+        cluster.close()
+    nodes = []
+    for node, w in zip(cluster.nodes, windows):
+        fams: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for (_, fam, _), (calls, usec) in w.rows.items():
+            fams[fam][0] += calls
+            fams[fam][1] += usec
+        holds = [tag for tag, key in owners_of.items() if cluster.node_of(key_slot(key.encode())) is node]
+        nodes.append(dict(port=node.port, holds=holds, seconds=w.seconds, cpu_us=w.cpu_us,
+                          commands=sum(c for c, _ in fams.values()), usec=sum(u for _, u in fams.values()),
+                          families={f: dict(commands=c, usec=u) for f, (c, u) in fams.items()}))
+    return dict(requests=requests, tokens=tokens, workers=args.workers, nodes=nodes)
+
+
+def print_cluster(r: dict) -> None:
+    print(f"\n{r['requests']} requests, {r['tokens']} tokens, {r['workers']} workers on {len(r['nodes'])} masters")
+    print(f"{'node':<8}{'holds':<22}{'commands':>9}{'cmd µs':>9}{'cpu µs':>10}   by family: commands / cmd µs")
+    for n in r["nodes"]:
+        fams = "  ".join(f"{f} {v['commands']:.0f}/{v['usec']:.0f}" for f, v in sorted(n["families"].items()))
+        print(f"{n['port']:<8}{','.join(n['holds']) or '-':<22}{n['commands']:>9.0f}{n['usec']:>9.0f}"
+              f"{n['cpu_us']:>10.0f}   {fams}")
+
+
 def report(args, idle: Window, load: Window, requests: int, tokens: int) -> dict:
     idle_cpu_rate = idle.cpu_us / idle.seconds                          # µs CPU per s, background + cron
     idle_calls = sum(c for c, _ in idle.rows.values())
@@ -358,10 +408,16 @@ def main() -> None:
     parser.add_argument("--tokens-per-s", type=float, default=2000.0, help="generated tokens/s per GPU worker")
     parser.add_argument("--tokens-per-request", type=float, default=256.0, help="mean completion length")
     parser.add_argument("--shard-busy", type=float, default=0.5, help="highest main-thread load per shard")
+    parser.add_argument("--cluster", type=int, default=0, help="run on a cluster of this many masters instead")
     args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.cluster:
+        result = measure_cluster(args)
+        print_cluster(result)
+        (RESULTS / "redis_cluster.json").write_text(json.dumps(result, indent=2, default=str))
+        return
     result = measure(args)
     print_report(result)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "redis_capacity.json").write_text(json.dumps(result, indent=2, default=str))
 
 
