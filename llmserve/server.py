@@ -30,11 +30,11 @@ from typing import Protocol
 
 import grpc
 import prometheus_client
-import redis.exceptions
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from llmserve import redis_client
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.settings import CommonSettings
 
@@ -65,7 +65,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     """The status a caller gets for an exception that escaped a handler."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.message, exc.trailing_metadata()
-    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+    if isinstance(exc, redis_client.UNAVAILABLE_ERRORS):
         return grpc.StatusCode.UNAVAILABLE, "redis unavailable", ()
     if isinstance(exc, grpc.aio.AioRpcError):
         code = exc.code() if exc.code() in _PASS_THROUGH_CODES else grpc.StatusCode.UNAVAILABLE

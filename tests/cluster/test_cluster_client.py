@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -102,6 +103,9 @@ def _slot(key: str) -> int:
 
 def test_a_failover_in_progress_is_retryable_like_a_dropped_connection():
     from llmserve.retry import is_retryable
+    from llmserve.server import status_for
     assert is_retryable(redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"))
     assert is_retryable(redis.exceptions.MasterDownError("MASTERDOWN Link with MASTER is down"))
     assert not is_retryable(redis.exceptions.ResponseError("WRONGTYPE"))
+    code, _, _ = status_for(redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"))
+    assert code == grpc.StatusCode.UNAVAILABLE
