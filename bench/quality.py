@@ -1,0 +1,124 @@
+"""Quality of each CPU weight format against fp32, on the real model:
+
+- greedy agreement: a fixed set of 60 chat prompts, 32 greedy new tokens each; the share of
+  prompts whose 32 tokens equal fp32's exactly, and the mean length of the common prefix;
+- perplexity of the fixed text bench/data/perplexity.txt (one prefill, every position scored).
+
+    .venv/bin/python -m bench.quality                   # none (fp32), int8, int4
+    .venv/bin/python -m bench.quality --formats none,int4
+
+Writes bench/results/quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.config import QUANTIZATIONS
+from gpu_worker.engine.engine import EngineConfig, LLMEngine
+from gpu_worker.engine.sequence import SamplingParams
+from gpu_worker.model.kv_cache import KVCache
+from gpu_worker.model.llama import LlamaModel
+from gpu_worker.model.loader import load_model
+from gpu_worker.model.metadata import AttentionMetadata
+from llmserve import model_store
+from tokenizer_svc.loader import load_tokenizer
+
+HERE = Path(__file__).resolve().parent
+NEW_TOKENS = 32
+BLOCK = 16
+PROMPTS = [
+    "What is the capital of France?", "Explain photosynthesis in one paragraph.",
+    "Write a haiku about autumn.", "How do vaccines work?", "What is 17 times 23?",
+    "Give me three tips for better sleep.", "Translate 'good morning' into Spanish.",
+    "What causes the seasons on Earth?", "Summarize the plot of Romeo and Juliet.",
+    "What is a prime number?", "Write a Python function that reverses a string.",
+    "Why is the sky blue?", "Name five animals that live in the ocean.",
+    "What is the difference between weather and climate?", "How does a refrigerator keep food cold?",
+    "Describe the water cycle.", "What is machine learning?", "Tell me a short joke.",
+    "What are the benefits of regular exercise?", "How many continents are there? Name them.",
+    "Explain what a black hole is.", "Write a limerick about a cat.", "What is the boiling point of water?",
+    "How do I make a cup of tea?", "What is the Pythagorean theorem?", "Who wrote Pride and Prejudice?",
+    "Explain recursion to a beginner.", "What is inflation in economics?", "List three renewable energy sources.",
+    "How does the internet work, briefly?", "What is DNA?", "Give a synonym for 'happy'.",
+    "Why do leaves change color in the fall?", "What is the largest planet in the solar system?",
+    "Write a two-sentence story about a robot.", "How do airplanes stay in the air?",
+    "What is a noun? Give examples.", "Explain the rules of chess in brief.", "What is gravity?",
+    "Suggest a name for a pet goldfish.", "What is the function of the heart?",
+    "How do bees make honey?", "What is an atom made of?", "Write a SQL query that counts rows in a table.",
+    "What is the speed of light?", "Explain supply and demand.", "What is a volcano?",
+    "Give me a recipe for pancakes.", "What does a CPU do?", "Why is recycling important?",
+    "What is the meaning of 'carpe diem'?", "How do I convert Celsius to Fahrenheit?",
+    "What is democracy?", "Describe a rainbow to someone who cannot see.", "What is a verb?",
+    "How do plants grow from seeds?", "Write a thank-you note to a teacher.", "What is an ecosystem?",
+    "Why do we have day and night?", "What is the tallest mountain in the world?",
+]
+
+
+def greedy_outputs(model: LlamaModel, prompts: list[list[int]]) -> list[list[int]]:
+    """NEW_TOKENS greedy tokens for every prompt, all in one engine (batching does not change them)."""
+    blocks = len(prompts) * (-(-(max(map(len, prompts)) + NEW_TOKENS) // BLOCK)) + 8
+    engine = LLMEngine.create(model, EngineConfig(num_blocks=blocks, block_size=BLOCK, max_num_seqs=len(prompts),
+                                                  max_num_batched_tokens=1024, enable_prefix_caching=False))
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return engine.generate(prompts, [params] * len(prompts))
+
+
+def perplexity(model: LlamaModel, ids: list[int]) -> float:
+    """exp(mean next-token NLL) of `ids`, scored in one prefill."""
+    n = len(ids)
+    num_blocks = -(-n // BLOCK)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n), num_prefills=1, num_prefill_tokens=n,
+        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([n], dtype=torch.int32),
+        prefill_block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+        decode_block_tables=torch.zeros(0, num_blocks, dtype=torch.int32), logits_indices=torch.arange(n),
+    )
+    cache = KVCache.allocate(model.config, num_blocks, BLOCK, model.dtype, "cpu")
+    logits = model(torch.tensor(ids), torch.arange(n), meta, cache)  # [n, V]
+    return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=model_store.DEFAULT_MODEL)
+    parser.add_argument("--formats", default=",".join(QUANTIZATIONS), help="none is the fp32 reference")
+    parser.add_argument("--out", default=str(HERE / "results"))
+    args = parser.parse_args(argv)
+    tok = load_tokenizer(model_store.resolve(args.model))
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    text_ids = tok.encode((HERE / "data" / "perplexity.txt").read_text())
+    rows, reference = [], None
+    for fmt in ["none"] + [f for f in args.formats.split(",") if f != "none"]:
+        start = time.perf_counter()
+        model = load_model(args.model, "cpu", torch.float32, quantization=fmt)
+        outs = greedy_outputs(model, prompts)
+        reference = reference or outs
+        prefix = [common_prefix(a, b) for a, b in zip(outs, reference)]
+        rows.append({"format": fmt, "prompts": len(prompts),
+                     "identical_32_tokens": sum(p == NEW_TOKENS for p in prefix) / len(prompts),
+                     "mean_common_prefix": sum(prefix) / len(prompts),
+                     "perplexity": round(perplexity(model, text_ids), 3), "text_tokens": len(text_ids)})
+        print(json.dumps(rows[-1]), f"({time.perf_counter() - start:.0f} s)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps({"model": args.model, "new_tokens": NEW_TOKENS, "results": rows},
+                                                 indent=2))
+    print(f"wrote {out / 'quality.json'}")
+
+
+if __name__ == "__main__":
+    main()
