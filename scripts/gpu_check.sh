@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 7): GPU tests, then the kernel benchmark; everything under $OUT.
+# One prepared GPU check (issues 7, 15): GPU tests, the same kernels executed on the CPU (tests/cuda_cpu,
+# so both runs are of one commit), then the kernel benchmark; everything under $OUT.
 # Installs nothing and needs no network. Run from the repo root on a machine with one GPU:
 #   OUT=/some/dir scripts/gpu_check.sh
-# Budget: under 8 minutes on one H200: tests capped at 270 s (incl. NVRTC compiles), bench at 180 s.
+# Budget: under 10 minutes on one H200: GPU tests capped at 270 s (incl. NVRTC compiles), CPU-executed
+# kernels at 150 s (g++ builds in parallel; skipped with the reason where g++ is missing), bench at 180 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -22,8 +24,12 @@ timeout 270 "$PY" -m pytest tests/gpu -m gpu -q -rs --confcutdir=tests/gpu -p no
   -o addopts="" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 
+timeout 150 "$PY" -m pytest tests/cuda_cpu -q -rs --confcutdir=tests/cuda_cpu -p no:cacheprovider \
+  -o addopts="" --junitxml="$OUT/junit_cuda_cpu.xml" 2>&1 | tee "$OUT/pytest_cuda_cpu.log"
+cpu_rc=${PIPESTATUS[0]}
+
 timeout 180 "$PY" bench/kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "== tests rc=$tests_rc bench rc=$bench_rc" | tee -a "$OUT/env.log"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+echo "== tests rc=$tests_rc cpu-kernel tests rc=$cpu_rc bench rc=$bench_rc" | tee -a "$OUT/env.log"
+exit $(( tests_rc != 0 || cpu_rc != 0 || bench_rc != 0 ))

@@ -3,6 +3,8 @@ where scripts/gpu_check.sh runs these too, lacks the service dependencies)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import cpu_backend as cb
@@ -17,7 +19,7 @@ def built() -> None:
     reason = cb.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    cb.build_all(cuda.KERNEL_DIR, cuda.launchable_kernels())
+    cb.build_all(cuda.KERNEL_DIR, cuda.launchable_kernels(), jobs=os.cpu_count() or 2)
 
 
 @pytest.fixture

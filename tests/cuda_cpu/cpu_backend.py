@@ -135,9 +135,9 @@ def _build_key(source_path: Path, expressions: list[str], flags: tuple[str, ...]
     return h.hexdigest()[:24]
 
 
-def build(source_path: Path, expressions: list[str], asan: bool | None = None) -> Path:
+def build(source_path: Path, expressions: list[str]) -> Path:
     """Compile (or find in the cache) the .so holding `expressions` of `source_path`."""
-    flags = ASAN_FLAGS if (asan_enabled() if asan is None else asan) else FAST_FLAGS
+    flags = ASAN_FLAGS if asan_enabled() else FAST_FLAGS
     target = cache_dir() / f"{source_path.stem}-{_build_key(source_path, expressions, flags)}.so"
     if target.exists():
         return target
@@ -202,19 +202,18 @@ def _pack(args: tuple) -> tuple[list, str, list[int]]:
 
 
 class KernelLibrary:
-    """Loaded modules by (source, variants, flags), built on first use."""
+    """Loaded modules by (source, variants), built on first use."""
 
     def __init__(self) -> None:
         self._modules: dict[tuple, Module] = {}
         self._lock = threading.Lock()
 
-    def module(self, source_path: Path, expressions: list[str], asan: bool | None = None) -> Module:
-        key = (source_path, tuple(expressions), asan)
+    def module(self, source_path: Path, expressions: list[str]) -> Module:
+        key = (source_path, tuple(expressions))
         with self._lock:
             if key not in self._modules:
-                self._modules[key] = Module(build(source_path, expressions, asan), expressions)
+                self._modules[key] = Module(build(source_path, expressions), expressions)
             return self._modules[key]
-
 
 
 LIBRARY = KernelLibrary()
@@ -245,22 +244,21 @@ class CpuLauncher:
         seed: seed of the RANDOM order.
         kernel_dir: where the .cu files are read (a mutant copy in the mutation test).
         variants: the variants built per .cu file (default: all the worker can launch).
-        poison: fill output buffers with NaN (a read of an unwritten element shows).
+
+    Output buffers the ops allocate through `empty` start as NaN, so a read of an unwritten element shows.
     """
 
     def __init__(self, order: Order = Order.FORWARD, seed: int = 0, kernel_dir: Path = cuda.KERNEL_DIR,
-                 variants: dict[str, list[str]] | None = None, poison: bool = True,
-                 library: KernelLibrary = LIBRARY) -> None:
-        self.order, self.seed, self.kernel_dir, self.poison = order, seed, kernel_dir, poison
+                 variants: dict[str, list[str]] | None = None) -> None:
+        self.order, self.seed, self.kernel_dir = order, seed, kernel_dir
         self.variants = variants if variants is not None else cuda.launchable_kernels()
-        self._groups = {name: names for (_, _), names in variant_groups(self.variants).items() for name in names}
-        self.library = library
+        self._groups = {name: names for names in variant_groups(self.variants).values() for name in names}
         self.launched: list[str] = []
 
     def launch(self, filename: str, name: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple) -> None:
         if name not in self.variants.get(filename, ()):
             raise KernelError(f"{name} is not among the variants built for {filename}: add it to launchable_kernels()")
-        module = self.library.module(self.kernel_dir / filename, self._groups[name])
+        module = LIBRARY.module(self.kernel_dir / filename, self._groups[name])
         config = _LaunchConfig((ctypes.c_uint * 3)(*_dims(grid)), (ctypes.c_uint * 3)(*_dims(block)),
                                int(self.order), self.seed)
         with _RUNTIME_LOCK:  # the shim runs one launch at a time
@@ -268,9 +266,9 @@ class CpuLauncher:
         self.launched.append(name)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.poison and dtype.is_floating_point:
+        if dtype.is_floating_point:
             return torch.full(shape, float("nan"), dtype=dtype, device=device)
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.full(shape, -1, dtype=dtype, device=device)
 
 
 def _dims(d: tuple[int, ...]) -> tuple[int, int, int]:

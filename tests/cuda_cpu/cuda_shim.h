@@ -182,6 +182,13 @@ struct Fiber {
   void* fake_stack = nullptr;  // AddressSanitizer's bookkeeping of the switched-out stack
 };
 
+// One pending rendezvous of a warp: lanes with the same mask (disjoint masks may wait side by side).
+struct ShuffleGroup {
+  unsigned mask;
+  Site site;
+  int arrived;
+};
+
 // What Python passes to a launch (ctypes.Structure LaunchConfig in cpu_backend.py).
 struct LaunchConfig {
   unsigned grid[3];
@@ -194,6 +201,7 @@ struct Runtime {
   dim3 grid_dim, block_dim, block_idx;
   std::vector<Fiber> fibers;
   std::vector<int> schedule;  // fiber indices in the order they are resumed
+  std::vector<std::vector<ShuffleGroup>> warp_shuffles;  // pending rendezvous per warp
   Fiber* current = nullptr;
   void* sched_sp = nullptr;
   const void* sched_stack_bottom = nullptr;
@@ -344,55 +352,66 @@ inline int warp_width(const Fiber& me) {
   return min(32, static_cast<int>(rt.fibers.size()) - first);
 }
 
-inline void check_shuffle_arrival(const Fiber& me, unsigned mask, const Site& site) {
-  const int lane = me.linear % 32;
-  if (!((mask >> lane) & 1u))
-    fail("__shfl_xor_sync at " + site.str() + ": mask " + hex(mask) + " excludes the calling lane " +
-         std::to_string(lane) + " (" + thread_name(me) + ")");
+inline std::vector<ShuffleGroup>& warp_groups(const Fiber& me) { return rt.warp_shuffles[me.linear / 32]; }
+
+[[noreturn]] inline void fail_mismatch(unsigned mask_a, const Site& a, unsigned mask_b, const Site& b, int lane) {
+  fail("__shfl_xor_sync: mismatched masks in one warp: " + hex(mask_a) + " at " + a.str() + " vs " + hex(mask_b) +
+       " at " + b.str() + " (lane " + std::to_string(lane) + ")");
+}
+
+// The first lane of a new rendezvous: every lane the mask names must be able to join it.
+inline void check_new_group(const Fiber& me, unsigned mask, const Site& site) {
   const Fiber* lanes = warp_lanes(me);
-  const int width = warp_width(me);
-  for (int l = 0; l < width; ++l) {  // a lane waiting for this one with another mask
-    const Fiber& o = lanes[l];
-    if (o.wait == Wait::SHUFFLE && ((o.shfl_mask >> lane) & 1u) && (o.shfl_mask != mask || !(o.site == site)))
-      fail("__shfl_xor_sync: mismatched masks in one warp: " + hex(o.shfl_mask) + " at " + o.site.str() +
-           " (lane " + std::to_string(l) + ") vs " + hex(mask) + " at " + site.str() + " (lane " +
-           std::to_string(lane) + ")");
-  }
+  const int width = warp_width(me), lane = me.linear % 32;
   for (int l = 0; l < 32; ++l) {
     if (!((mask >> l) & 1u)) continue;
     if (l >= width) fail("__shfl_xor_sync at " + site.str() + ": mask " + hex(mask) + " names lane " +
                          std::to_string(l) + " beyond the block (" + thread_name(me) + ")");
     const Fiber& o = lanes[l];
-    if (o.wait != Wait::SHUFFLE && o.shuffles > me.shuffles && o.last_site == site && o.last_mask != mask)
-      fail("__shfl_xor_sync at " + site.str() + ": mismatched masks in one warp: lane " + std::to_string(l) +
-           " shuffled here with mask " + hex(o.last_mask) + ", lane " + std::to_string(lane) + " comes with " +
-           hex(mask));
     if (o.wait == Wait::DONE)
       fail("__shfl_xor_sync at " + site.str() + ": lane " + std::to_string(l) + " of the mask has exited");
-    if (o.wait == Wait::SHUFFLE && (o.shfl_mask != mask || !(o.site == site)))
-      fail("__shfl_xor_sync: mismatched masks/sites in one warp: " + hex(o.shfl_mask) + " at " + o.site.str() +
-           " (lane " + std::to_string(l) + ") vs " + hex(mask) + " at " + site.str() + " (lane " +
-           std::to_string(lane) + ")");
+    if (o.shuffles > me.shuffles && o.last_site == site && o.last_mask != mask)  // it went on without us
+      fail_mismatch(o.last_mask, o.last_site, mask, site, lane);
   }
 }
 
+// Join (or open) this lane's rendezvous; returns it.
+inline ShuffleGroup& arrive_at_shuffle(const Fiber& me, unsigned mask, const Site& site) {
+  const int lane = me.linear % 32;
+  if (!((mask >> lane) & 1u))
+    fail("__shfl_xor_sync at " + site.str() + ": mask " + hex(mask) + " excludes the calling lane " +
+         std::to_string(lane) + " (" + thread_name(me) + ")");
+  std::vector<ShuffleGroup>& groups = warp_groups(me);
+  for (ShuffleGroup& g : groups) {
+    if (g.mask == mask && !(g.site == site)) fail_mismatch(g.mask, g.site, mask, site, lane);
+    if (g.mask == mask) {
+      ++g.arrived;
+      return g;
+    }
+    if (g.mask & mask) fail_mismatch(g.mask, g.site, mask, site, lane);
+  }
+  check_new_group(me, mask, site);
+  groups.push_back(ShuffleGroup{mask, site, 1});
+  return groups.back();
+}
+
 // All lanes of the mask have arrived: each gets its partner's value (its own past the width).
-inline void complete_shuffle(Fiber* lanes, unsigned mask) {
+inline void complete_shuffle(Fiber* lanes, const ShuffleGroup& g) {
   uint64_t got[32];
   for (int l = 0; l < 32; ++l) {
-    if (!((mask >> l) & 1u)) continue;
+    if (!((g.mask >> l) & 1u)) continue;
     const int src = lanes[l].shfl_src;
-    if (!((mask >> src) & 1u))
-      fail("__shfl_xor_sync at " + lanes[l].site.str() + ": lane " + std::to_string(l) + " reads lane " +
-           std::to_string(src) + ", which is not in the mask " + hex(mask));
+    if (!((g.mask >> src) & 1u))
+      fail("__shfl_xor_sync at " + g.site.str() + ": lane " + std::to_string(l) + " reads lane " +
+           std::to_string(src) + ", which is not in the mask " + hex(g.mask));
     got[l] = lanes[src].shfl_value;
   }
   for (int l = 0; l < 32; ++l) {
-    if (!((mask >> l) & 1u)) continue;
+    if (!((g.mask >> l) & 1u)) continue;
     lanes[l].shfl_value = got[l];
     lanes[l].wait = Wait::RUNNING;
-    lanes[l].last_mask = mask;
-    lanes[l].last_site = lanes[l].site;
+    lanes[l].last_mask = g.mask;
+    lanes[l].last_site = g.site;
     ++lanes[l].shuffles;
   }
 }
@@ -402,7 +421,7 @@ inline T shfl_xor(const char* file, int line, unsigned mask, T var, int lane_mas
   static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffle of a register-sized value");
   Fiber& me = *rt.current;
   const Site site{file, line};
-  check_shuffle_arrival(me, mask, site);
+  ShuffleGroup& group = arrive_at_shuffle(me, mask, site);
   const int lane = me.linear % 32, src = lane ^ lane_mask;
   me.wait = Wait::SHUFFLE;
   me.site = site;
@@ -410,10 +429,11 @@ inline T shfl_xor(const char* file, int line, unsigned mask, T var, int lane_mas
   me.shfl_src = (src / width == lane / width && src < 32) ? src : lane;
   me.shfl_value = 0;
   std::memcpy(&me.shfl_value, &var, sizeof(T));
-  Fiber* lanes = warp_lanes(me);
-  bool all = true;
-  for (int l = 0; l < 32 && all; ++l) all = !((mask >> l) & 1u) || lanes[l].wait == Wait::SHUFFLE;
-  if (all) complete_shuffle(lanes, mask);
+  if (group.arrived == __builtin_popcount(mask)) {
+    complete_shuffle(warp_lanes(me), group);
+    std::vector<ShuffleGroup>& groups = warp_groups(me);
+    groups.erase(groups.begin() + (&group - groups.data()));
+  }
   switch_to_scheduler();
   T out;
   std::memcpy(&out, &me.shfl_value, sizeof(T));
@@ -441,6 +461,7 @@ inline bool run_block(Order order) {
   }
   rt.live = n;
   rt.at_barrier = 0;
+  rt.warp_shuffles.assign((n + 31) / 32, {});
   if (__start_cudashim_shared != __stop_cudashim_shared)  // poison: NaN in every float type
     std::memset(__start_cudashim_shared, 0xff, __stop_cudashim_shared - __start_cudashim_shared);
   for (;;) {
@@ -473,11 +494,10 @@ extern "C" __attribute__((visibility("hidden"))) void cudashim_fiber_main() {
   --rt.live;
   if (rt.at_barrier > 0)
     fail("__syncthreads() at " + rt.barrier_site.str() + " is waited at while " + thread_name(me) + " exited");
-  const Fiber* lanes = warp_lanes(me);
-  for (int l = 0; l < warp_width(me); ++l)
-    if (lanes[l].wait == Wait::SHUFFLE && ((lanes[l].shfl_mask >> (me.linear % 32)) & 1u))
-      fail("__shfl_xor_sync at " + lanes[l].site.str() + " with mask " + hex(lanes[l].shfl_mask) +
-           " is waited at while its lane " + std::to_string(me.linear % 32) + " exited");
+  for (const ShuffleGroup& g : warp_groups(me))
+    if ((g.mask >> (me.linear % 32)) & 1u)
+      fail("__shfl_xor_sync at " + g.site.str() + " with mask " + hex(g.mask) + " is waited at while its lane " +
+           std::to_string(me.linear % 32) + " exited");
   for (;;) switch_to_scheduler(true);
 }
 

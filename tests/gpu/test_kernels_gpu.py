@@ -74,6 +74,30 @@ def test_paged_decode_attention(lens, heads, kv_heads, dim, dtype):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+def test_paged_decode_other_block_sizes(block_size, dtype):
+    """The config allows 8..64-token blocks; 32 and 64 run as 16-token tiles (no register spills)."""
+    q, kc, vc, tables, ctx = paged_batch(ragged(6, 1, 3000, 7), 32, 8, 128, dtype, block_size=block_size)
+    got = cuda.paged_decode_attention(q, kc, vc, tables, ctx, 128**-0.5)
+    want = fp32_oracle(reference.paged_decode_attention, q, kc, vc, tables, ctx, 128**-0.5)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_paged_decode_bits_do_not_depend_on_batch_or_table_width():
+    """A graph replays a padded batch over a full-width table; an eager step runs the real rows over the
+    table they need: split-K partitions are fixed, so both give the same bits per sequence."""
+    lens = [40, 3000, 257, 16]
+    q, kc, vc, tables, ctx = paged_batch(lens, 32, 8, 128, torch.bfloat16)
+    padded_tables = torch.zeros(8, tables.shape[1] + 300, dtype=torch.int32, device="cuda")
+    padded_tables[:4, : tables.shape[1]] = tables
+    padded_ctx = torch.cat([ctx, torch.zeros(4, dtype=torch.int32, device="cuda")])
+    padded_q = torch.cat([q, rand(4, 32, 128, dtype=q.dtype, seed=9)])
+    eager = cuda.paged_decode_attention(q, kc, vc, tables, ctx, 0.1)
+    graph = cuda.paged_decode_attention(padded_q, kc, vc, padded_tables, padded_ctx, 0.1)
+    assert torch.equal(graph[:4], eager)
+
+
 def test_paged_decode_fp32_and_padded_table():
     """fp32 (used by the engine test) and block tables wider than the longest context."""
     q, kc, vc, tables, ctx = paged_batch([3, 40, 700], 8, 2, 64, torch.float32)
