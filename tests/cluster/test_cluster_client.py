@@ -1,5 +1,6 @@
 """llmserve.redis_client on a real cluster: the client is chosen from any node, routes by slot
-(blocking reads included), refuses what spans slots, and never re-sends a command."""
+(blocking reads included), follows a slot that moved, refuses what spans slots, and never
+re-sends a command."""
 
 from __future__ import annotations
 
@@ -97,8 +98,35 @@ async def test_a_timed_out_command_is_not_sent_again(valkey_cluster):
         await client.aclose()
 
 
+def _moved_replies(node) -> int:
+    with node.client() as c:
+        return int(c.info("errorstats").get("errorstat_MOVED", {}).get("count", 0))
+
+
 def _slot(key: str) -> int:
     return key_slot(key.encode())
+
+
+async def test_a_moved_slot_is_followed_and_the_command_runs_once(valkey_cluster):
+    """The slot of a key moves to another node after the client loaded its map: the next INCR
+    gets MOVED, is sent to the new owner and runs there exactly once."""
+    valkey_cluster.flushall()
+    key = "moved:{mv}"
+    slot = _slot(key)
+    source = valkey_cluster.node_of(slot)
+    target = next(n for n in valkey_cluster.nodes if n is not source)
+    client = redis_client.connect(valkey_cluster.url)
+    try:
+        assert await client.incr(key) == 1
+        valkey_cluster.move_slot(slot, source, target)
+        moved_before = _moved_replies(source)
+        assert await client.incr(key) == 2
+        assert _moved_replies(source) == moved_before + 1        # the redirect, followed once
+        with target.client() as c:
+            assert c.get(key) == "2"
+    finally:
+        await client.aclose()
+        valkey_cluster.move_slot(slot, target, source)
 
 
 def test_a_failover_in_progress_is_retryable_like_a_dropped_connection():

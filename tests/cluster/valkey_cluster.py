@@ -86,6 +86,20 @@ class ValkeyCluster:
     def node_of(self, slot: int) -> ClusterNode:
         return self.nodes[min(slot // (SLOTS // len(self.nodes)), len(self.nodes) - 1)]
 
+    def move_slot(self, slot: int, source: ClusterNode, target: ClusterNode) -> None:
+        """Reshard one slot live, as `valkey-cli --cluster reshard` does: IMPORTING/MIGRATING,
+        MIGRATE its keys, then every node learns the new owner. (node_of() keeps naming the first
+        owner: move the slot back when done.)"""
+        with source.client() as src, target.client() as dst:
+            src_id, dst_id = src.execute_command("CLUSTER", "MYID"), dst.execute_command("CLUSTER", "MYID")
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+        for node in (target, source, *[n for n in self.nodes if n not in (source, target)]):
+            with node.client() as c:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
     def error_stats(self) -> dict[str, dict[str, int]]:
         """Every node's `INFO errorstats`: {node port: {error prefix: count}}."""
         stats = {}
