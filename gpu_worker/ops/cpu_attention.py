@@ -87,11 +87,12 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
-    rc = lib.paged_decode_attention_f32(
-        _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
-        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1],
-        scale, torch.get_num_threads(),
-    )
+    with torch.profiler.record_function("cpu_paged_decode_attention"):  # ctypes calls are invisible otherwise
+        rc = lib.paged_decode_attention_f32(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
+            num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1],
+            scale, torch.get_num_threads(),
+        )
     if rc != 0:
         raise RuntimeError(f"cpu paged decode attention failed (group {num_heads // k_cache.shape[2]} > 16 or no memory)")
     return out
