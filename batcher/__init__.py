@@ -25,6 +25,6 @@ Held items are "touched" (XCLAIM JUSTID, only if still ours) so no replica recla
 SIGTERM: stop reading, dispatch what is held while workers can admit it (--grace-s),
 mark the rest idle so another replica claims it at once; exit 0.
 
-`harness.py` is the other side of the contract (gateway enqueue, worker heartbeat/inbox)
-for tests and the bench.
+`tests/integration/queue_harness.py` is the other side of the contract (gateway enqueue,
+worker heartbeat/inbox) for tests and the bench; the wire format is `llmserve.queue`'s.
 """

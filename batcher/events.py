@@ -12,7 +12,8 @@ from enum import Enum
 
 import redis.asyncio as aioredis
 
-from llmserve.clock import now_ms
+from llmserve import queue
+from llmserve.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from llmserve.v1 import inference_pb2, queue_pb2
 
 
@@ -27,29 +28,20 @@ class DropReason(str, Enum):
 
 
 _ERRORS = {
-    DropReason.DEADLINE: ("DEADLINE_EXCEEDED", "deadline expired while queued"),
-    DropReason.POISON: ("UNAVAILABLE", "request failed on too many workers"),
-    DropReason.TOO_LARGE: ("RESOURCE_EXHAUSTED", "request needs more KV blocks than any worker has"),
+    DropReason.DEADLINE: lambda: DeadlineExceeded("deadline expired while queued"),
+    DropReason.POISON: lambda: Unavailable("request failed on too many workers"),
+    DropReason.TOO_LARGE: lambda: ResourceExhausted("kv_cache", 0, "request needs more KV blocks than any worker has"),
 }
 
 
 def final_event(item: queue_pb2.WorkItem, reason: DropReason, detail: str = "") -> queue_pb2.TokenEvent:
     """The last event of a request that ends in the queue: an error, or CANCELLED."""
-    event = queue_pb2.TokenEvent(
-        request_id=item.request_id, index=len(item.generated_token_ids), final=True,
-        prompt_tokens=len(item.prompt_token_ids))
     if reason is DropReason.CANCELLED:
-        event.finish_reason = inference_pb2.FINISH_REASON_CANCELLED
-    else:
-        code, message = _ERRORS[reason]
-        event.error.code = code
-        event.error.message = f"{message}: {detail}" if detail else message
-    return event
-
-
-def is_expired(item: queue_pb2.WorkItem, now_unix_ms: int | None = None) -> bool:
-    now_unix_ms = now_ms() if now_unix_ms is None else now_unix_ms
-    return 0 < item.deadline_unix_ms <= now_unix_ms
+        return queue.final_event(item, finish_reason=inference_pb2.FINISH_REASON_CANCELLED)
+    error = _ERRORS[reason]()
+    if detail:
+        error.message = f"{error.message}: {detail}"
+    return queue.final_event(item, error)
 
 
 async def write_final(redis: aioredis.Redis, items: list[tuple[queue_pb2.WorkItem, queue_pb2.TokenEvent]],
@@ -58,6 +50,6 @@ async def write_final(redis: aioredis.Redis, items: list[tuple[queue_pb2.WorkIte
     pipe = redis.pipeline(transaction=False)
     for item, event in items:
         if item.events_key:
-            pipe.xadd(item.events_key, {"event": event.SerializeToString()})
+            pipe.xadd(item.events_key, queue.event_entry(event))
             pipe.expire(item.events_key, ttl_s)
     await pipe.execute()

@@ -18,17 +18,17 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError
 
 from batcher import metrics
 from batcher.config import BatcherSettings
-from batcher.events import DropReason, final_event, is_expired, write_final
+from batcher.events import DropReason, final_event, write_final
 from batcher.batch_budget import BatchBudget
 from batcher.fair_queue import FairQueue, Held
-from batcher.reclaimer import Reclaimer
+from batcher.reclaimer import ReclaimContext, Reclaimer
 from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
-from llmserve import fencing, keys
+from llmserve import fencing, keys, queue
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -57,7 +57,9 @@ class ModelBatcher:
         self.streams = {p: keys.work_stream(model, p) for p in keys.PRIORITY_ORDER}
         self.queue = FairQueue()
         self.pool = WorkerPool(settings.heartbeat_ttl_ms, settings.capacity_grace_ms)
-        self.reclaimer = Reclaimer(self)
+        self.reclaimer = Reclaimer(ReclaimContext(
+            redis, scripts, settings, model, consumer, self.streams, self.pool, self.limits.max_wait_ms,
+            held_count=self.queue.count, holds=self.queue.__contains__, accept=self.accept))
         self._reading = True
         self._workers_at = self._touched_at = self._reclaimed_at = 0.0
 
@@ -66,11 +68,7 @@ class ModelBatcher:
     async def ensure_groups(self) -> None:
         """Create the consumer group on each work stream (from the start, so nothing queued is skipped)."""
         for stream in self.streams.values():
-            try:
-                await self.redis.xgroup_create(stream, keys.WORK_GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            await queue.ensure_group(self.redis, stream, keys.WORK_GROUP)
 
     def stop_reading(self) -> None:
         self._reading = False
@@ -162,8 +160,8 @@ class ModelBatcher:
         for entry_id, fields in entries:
             entry_id = _text(entry_id)
             try:
-                item = queue_pb2.WorkItem.FromString(fields[b"item"])
-            except Exception:  # noqa: BLE001 - any undecodable entry is dropped the same way
+                item = queue.decode_item(fields)
+            except queue.Undecodable:
                 malformed.append(entry_id)
                 continue
             accepted += self.queue.push(Held(stream, entry_id, item, read_at, touched_at=read_at))
@@ -290,8 +288,7 @@ class ModelBatcher:
                           self.settings.events_ttl_s)
         helds = [h for h, _, _ in drops]
         for _ in range(2):  # the script acks all or nothing: retry without entries another replica owns
-            result = await self.scripts.dispatch(keys.inboxes_set(self.model), keys.inboxes_set(self.model), "",
-                                                 keys.INBOX_GROUP, self.consumer, _sources(helds), b"")
+            result = await self.scripts.ack(self.model, self.consumer, _sources(helds))
             helds = [h for h in helds if h.ref not in set(result.lost)]
             if result.ok or not helds:
                 break
@@ -301,8 +298,7 @@ class ModelBatcher:
                         tenant=held.item.tenant, reason=reason.value)
 
     async def _ack(self, stream: str, group: str, ids: list[str]) -> None:
-        await self.scripts.dispatch(keys.inboxes_set(self.model), keys.inboxes_set(self.model), "",
-                                    keys.INBOX_GROUP, self.consumer, [Source(stream, group, ids)], b"")
+        await self.scripts.ack(self.model, self.consumer, [Source(stream, group, ids)])
 
     # ── periodic work ─────────────────────────────────────────────────────
 
@@ -325,7 +321,7 @@ class ModelBatcher:
 
     async def _drop_expired(self) -> None:
         stamp = now_ms()
-        expired = self.queue.remove_if(lambda h: is_expired(h.item, stamp))
+        expired = self.queue.remove_if(lambda h: queue.is_expired(h.item, stamp))
         if expired:
             await self.drop([(h, DropReason.DEADLINE, "") for h in expired])
 

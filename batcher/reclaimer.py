@@ -13,21 +13,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
+import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
 from batcher import metrics
+from batcher.config import BatcherSettings
 from batcher.events import DropReason, final_event, write_final
-from batcher.scripts import Source
-from batcher.workers import Capacity, blocks_needed
-from llmserve import fencing, keys
+from batcher.scripts import Scripts, Source
+from batcher.workers import Capacity, WorkerPool, blocks_needed
+from llmserve import fencing, keys, queue
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
-
-if TYPE_CHECKING:
-    from batcher.model_batcher import ModelBatcher
 
 logger = structlog.get_logger(__name__)
 
@@ -35,11 +35,28 @@ _CLAIM_COUNT = 100
 _INBOX_COUNT = 50
 
 
+@dataclass(frozen=True)
+class ReclaimContext:
+    """What the reclaimer needs of its model's batch loop (and nothing else of it)."""
+
+    redis: aioredis.Redis
+    scripts: Scripts
+    settings: BatcherSettings
+    model: str
+    consumer: str
+    streams: Mapping[int, str]                        # priority -> work stream
+    pool: WorkerPool
+    max_wait_ms: int
+    held_count: Callable[[int], int]                  # items held locally, by priority
+    holds: Callable[[tuple[str, str]], bool]          # whether (stream, entry id) is held locally
+    accept: Callable[[str, list, float], Awaitable[int]]  # queue claimed entries locally
+
+
 class Reclaimer:
     """Sweeps for one model; runs inside that model's batch loop."""
 
-    def __init__(self, owner: ModelBatcher) -> None:
-        self.owner = owner
+    def __init__(self, ctx: ReclaimContext) -> None:
+        self.ctx = ctx
         # Inbox entries we own and still have to re-dispatch: (inbox, entry id) -> items,
         # deliveries already counted (so a retry after "no capacity" does not count twice).
         self._prepared: dict[tuple[str, str], list[queue_pb2.WorkItem]] = {}
@@ -51,50 +68,50 @@ class Reclaimer:
     # ── (a) work items of silent batchers ─────────────────────────────────
 
     async def claim_work(self) -> int:
-        owner, claimed = self.owner, 0
-        read_at = time.monotonic() - owner.limits.max_wait_ms / 1000  # waited long enough already
-        for priority, stream in owner.streams.items():
-            room, start = owner.settings.read_ahead - owner.queue.count(priority), "0-0"
+        ctx, claimed = self.ctx, 0
+        read_at = time.monotonic() - ctx.max_wait_ms / 1000  # waited long enough already
+        for priority, stream in ctx.streams.items():
+            room, start = ctx.settings.read_ahead - ctx.held_count(priority), "0-0"
             while room > 0:
-                start, entries, _deleted = await owner.redis.xautoclaim(
-                    stream, keys.WORK_GROUP, owner.consumer, owner.settings.claim_idle_ms, start,
+                start, entries, _deleted = await ctx.redis.xautoclaim(
+                    stream, keys.WORK_GROUP, ctx.consumer, ctx.settings.claim_idle_ms, start,
                     count=min(room, _CLAIM_COUNT))
-                fresh = [(i, f) for i, f in entries if f and (stream, _text(i)) not in owner.queue]
-                claimed += await owner.accept(stream, fresh, read_at)
+                fresh = [(i, f) for i, f in entries if f and not ctx.holds((stream, _text(i)))]
+                claimed += await ctx.accept(stream, fresh, read_at)
                 room -= len(entries)
                 if _text(start) == "0-0":
                     break
         if claimed:
-            metrics.RECLAIMS.labels(owner.model, "batcher").inc(claimed)
-            logger.info("reclaimed work items from a silent batcher", model=owner.model, count=claimed)
+            metrics.RECLAIMS.labels(ctx.model, "batcher").inc(claimed)
+            logger.info("reclaimed work items from a silent batcher", model=ctx.model, count=claimed)
         return claimed
 
     # ── (b) inboxes of dead workers ───────────────────────────────────────
 
     async def claim_inboxes(self) -> None:
-        owner, now = self.owner, now_ms()
-        if not owner.pool.accepting(now):
+        ctx, now = self.ctx, now_ms()
+        if not ctx.pool.accepting(now):
             return  # nobody to hand batches to: leave them where they are
-        for raw in await owner.redis.smembers(keys.inboxes_set(owner.model)):
+        for raw in await ctx.redis.smembers(keys.inboxes_set(ctx.model)):
             worker_id = _text(raw)
-            if not owner.pool.is_alive(worker_id, now):
+            if not ctx.pool.is_alive(worker_id, now):
                 await self._claim_inbox(worker_id)
         for key in list(self._prepared):
             await self._redispatch(key)
 
     async def _claim_inbox(self, worker_id: str) -> None:
-        owner = self.owner
-        inbox = keys.inbox_stream(owner.model, worker_id)
+        ctx = self.ctx
+        inbox = keys.inbox_stream(ctx.model, worker_id)
         try:
-            unread = await owner.redis.xreadgroup(keys.INBOX_GROUP, owner.consumer, {inbox: ">"},
+            unread = await ctx.redis.xreadgroup(keys.INBOX_GROUP, ctx.consumer, {inbox: ">"},
                                                   count=_INBOX_COUNT)
-            _, claimed, _ = await owner.redis.xautoclaim(inbox, keys.INBOX_GROUP, owner.consumer,
-                                                         owner.settings.inbox_claim_idle_ms, "0-0",
+            _, claimed, _ = await ctx.redis.xautoclaim(inbox, keys.INBOX_GROUP, ctx.consumer,
+                                                         ctx.settings.inbox_claim_idle_ms, "0-0",
                                                          count=_INBOX_COUNT)
         except ResponseError as exc:  # inbox or its group is gone: nothing to reclaim
             if "NOGROUP" not in str(exc):
                 raise
-            await owner.redis.srem(keys.inboxes_set(owner.model), worker_id)
+            await ctx.redis.srem(keys.inboxes_set(ctx.model), worker_id)
             return
         for _, entries in unread or []:
             for entry_id, fields in entries:
@@ -102,59 +119,58 @@ class Reclaimer:
         for entry_id, fields in claimed:
             if fields:
                 self._prepare(inbox, _text(entry_id), fields, delivered=True)
-        if not unread and not claimed and (await owner.redis.xpending(inbox, keys.INBOX_GROUP))["pending"] == 0:
-            await owner.redis.srem(keys.inboxes_set(owner.model), worker_id)  # fully drained
+        if not unread and not claimed and (await ctx.redis.xpending(inbox, keys.INBOX_GROUP))["pending"] == 0:
+            await ctx.redis.srem(keys.inboxes_set(ctx.model), worker_id)  # fully drained
 
     def _prepare(self, inbox: str, entry_id: str, fields: dict, delivered: bool) -> None:
         if (inbox, entry_id) in self._prepared:
             return
         try:
-            items = list(queue_pb2.Batch.FromString(fields[b"batch"]).items)
-        except Exception:  # noqa: BLE001 - an undecodable batch is acked below with no items
-            logger.error("malformed inbox entry", inbox=inbox, entry_id=entry_id)
+            items = list(queue.decode_batch(fields).items)
+        except queue.Undecodable as exc:  # acked below with no items
+            logger.error("malformed inbox entry", inbox=inbox, entry_id=entry_id, error=str(exc))
             items = []
         for item in items:
             item.deliveries += int(delivered)
         self._prepared[(inbox, entry_id)] = items
-        metrics.RECLAIMS.labels(self.owner.model, "inbox").inc()
+        metrics.RECLAIMS.labels(self.ctx.model, "inbox").inc()
         logger.info("reclaimed batch from dead worker", inbox=inbox, entry_id=entry_id, items=len(items),
                     delivered=delivered)
 
     async def _redispatch(self, key: tuple[str, str]) -> None:
-        owner, (inbox, entry_id) = self.owner, key
+        ctx, (inbox, entry_id) = self.ctx, key
         items = await self._fail_poison(self._prepared[key])
         self._prepared[key] = items
         source = [Source(inbox, keys.INBOX_GROUP, [entry_id])]
         if not items:  # nothing left to run: just retire the entry
-            await owner.scripts.dispatch(keys.inboxes_set(owner.model), keys.inboxes_set(owner.model), "",
-                                         keys.INBOX_GROUP, owner.consumer, source, b"")
+            await ctx.scripts.ack(ctx.model, ctx.consumer, source)
             del self._prepared[key]
             return
         cap = self._target(items)
         if cap is None:
-            metrics.NO_CAPACITY.labels(owner.model).inc()
+            metrics.NO_CAPACITY.labels(ctx.model).inc()
             return  # retried on the next sweep
-        await fencing.issue(owner.redis, items, owner.settings.events_ttl_s)
+        await fencing.issue(ctx.redis, items, ctx.settings.events_ttl_s)
         batch = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=items, created_unix_ms=now_ms())
-        result = await owner.scripts.dispatch(
-            keys.inbox_stream(owner.model, cap.worker_id), keys.inboxes_set(owner.model), cap.worker_id,
-            keys.INBOX_GROUP, owner.consumer, source, batch.SerializeToString())
+        result = await ctx.scripts.dispatch(
+            keys.inbox_stream(ctx.model, cap.worker_id), keys.inboxes_set(ctx.model), cap.worker_id,
+            keys.INBOX_GROUP, ctx.consumer, source, batch.SerializeToString())
         del self._prepared[key]  # dispatched, or another replica owns it now
         if result.ok:
-            await fencing.raise_fence(owner.redis, items, owner.settings.events_ttl_s)
-            blocks = sum(blocks_needed(i, cap.block_size, owner.settings.decode_reserve) for i in items)
-            owner.pool.reserve(cap.worker_id, blocks, len(items), now_ms())
-            metrics.DISPATCHED.labels(owner.model).inc(len(items))
+            await fencing.raise_fence(ctx.redis, items, ctx.settings.events_ttl_s)
+            blocks = sum(blocks_needed(i, cap.block_size, ctx.settings.decode_reserve) for i in items)
+            ctx.pool.reserve(cap.worker_id, blocks, len(items), now_ms())
+            metrics.DISPATCHED.labels(ctx.model).inc(len(items))
             logger.info("redispatched batch", from_inbox=inbox, to_worker=cap.worker_id, items=len(items))
 
     async def _fail_poison(self, items: list[queue_pb2.WorkItem]) -> list[queue_pb2.WorkItem]:
         """Fail items that already went to `max_deliveries` workers; return the rest."""
-        limit = self.owner.settings.max_deliveries
+        limit = self.ctx.settings.max_deliveries
         poison = [i for i in items if i.deliveries >= limit]
         if poison:
-            await write_final(self.owner.redis, [(i, final_event(i, DropReason.POISON, f"{i.deliveries} deliveries"))
-                                                 for i in poison], self.owner.settings.events_ttl_s)
-            metrics.DROPS.labels(self.owner.model, DropReason.POISON.value).inc(len(poison))
+            await write_final(self.ctx.redis, [(i, final_event(i, DropReason.POISON, f"{i.deliveries} deliveries"))
+                                                 for i in poison], self.ctx.settings.events_ttl_s)
+            metrics.DROPS.labels(self.ctx.model, DropReason.POISON.value).inc(len(poison))
             for item in poison:
                 logger.warning("failing poison request", request_id=item.request_id, tenant=item.tenant,
                                deliveries=item.deliveries)
@@ -162,8 +178,8 @@ class Reclaimer:
 
     def _target(self, items: list[queue_pb2.WorkItem]) -> Capacity | None:
         """The accepting worker with most room that can admit the whole batch."""
-        decode_reserve = self.owner.settings.decode_reserve
-        for cap in self.owner.pool.accepting(now_ms()):
+        decode_reserve = self.ctx.settings.decode_reserve
+        for cap in self.ctx.pool.accepting(now_ms()):
             blocks = sum(blocks_needed(i, cap.block_size, decode_reserve) for i in items)
             if cap.free_seqs >= len(items) and cap.free_blocks >= blocks:
                 return cap

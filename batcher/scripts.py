@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from llmserve import keys, queue
+
 # KEYS: [1] target inbox  [2] inboxes set  [3..] source streams
 # ARGV: [1] batch bytes ('' = only ack the sources)  [2] target worker id  [3] inbox group
 #       [4] consumer  then per source: group, n, id_1 .. id_n
@@ -45,7 +47,7 @@ if ARGV[1] ~= '' then
   if redis.call('EXISTS', KEYS[1]) == 0 then
     redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[3], '0', 'MKSTREAM')
   end
-  entry = redis.call('XADD', KEYS[1], '*', 'batch', ARGV[1])
+  entry = redis.call('XADD', KEYS[1], '*', '%(batch_field)s', ARGV[1])
   redis.call('SADD', KEYS[2], ARGV[2])
 end
 for _, src in ipairs(sources) do
@@ -55,7 +57,7 @@ for _, src in ipairs(sources) do
   end
 end
 return {1, entry}
-"""
+""" % {"batch_field": queue.BATCH_FIELD}
 
 # KEYS: [1] stream   ARGV: [1] group [2] consumer [3..] ids
 # Resets the idle time of entries still pending on `consumer` (so no replica
@@ -119,6 +121,13 @@ class Scripts:
         self.add_dispatch(pipe, inbox, inboxes, worker_id, inbox_group, consumer, sources, batch)
         [reply] = await pipe.execute()
         return dispatch_result(reply, sources)
+
+    async def ack(self, model: str, consumer: str, sources: Sequence[Source]) -> DispatchResult:
+        """Ack and delete `sources` without dispatching anything (all or none, only entries still
+        ours). The dispatch script's target keys go unused; they name the model's inboxes set so
+        every key stays in the model's hash slot."""
+        placeholder = keys.inboxes_set(model)
+        return await self.dispatch(placeholder, placeholder, "", keys.INBOX_GROUP, consumer, sources, b"")
 
     async def touch(self, stream: str, group: str, consumer: str, ids: Sequence[str]) -> list[str]:
         """Refresh our pending entries; returns the ids another consumer now owns."""

@@ -17,9 +17,8 @@ from batcher import metrics
 from batcher.config import BatcherSettings
 from batcher.model_batcher import ModelBatcher
 from batcher.scripts import Scripts
-from llmserve import keys, redis_client
+from llmserve import keys, queue, redis_client
 from llmserve.clock import now_ms
-from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
 
@@ -109,6 +108,6 @@ class BatcherService:
             first = await self._redis.xrange(stream, "-", "+", count=1)
             age = 0.0
             if first:
-                item = queue_pb2.WorkItem.FromString(first[0][1][b"item"])
+                item = queue.decode_item(first[0][1])
                 age = max(0.0, (now - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0
             metrics.QUEUE_AGE.labels(model, label).set(age)

@@ -30,10 +30,10 @@ from pathlib import Path
 import redis
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]   # the queue harness lives with the tests
 
-from batcher import harness as h  # noqa: E402
-from llmserve import keys  # noqa: E402
+import queue_harness as h  # noqa: E402
+from llmserve import keys, queue  # noqa: E402
 from llmserve.valkey import ValkeyServer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -59,7 +59,7 @@ def producer(url: str, stream: str | None, n: int, rate: float | None, out: mp.Q
         pipe = client.pipeline(transaction=False)
         for i in range(sent, min(n, sent + chunk)):
             base.request_id = f"{i}:{time.time_ns()}"
-            pipe.xadd(stream or keys.work_stream(h.MODEL, 2), {"item": base.SerializeToString()})
+            pipe.xadd(stream or keys.work_stream(h.MODEL, 2), queue.item_entry(base))
         pipe.execute()
         sent = min(n, sent + chunk)
     out.put({"t_first": t0})
@@ -92,9 +92,9 @@ def null_worker(url: str, n: int, out: mp.Queue, floor: bool = False) -> None:
             for entry_id, fields in entries:
                 ids.append(entry_id)
                 if floor:
-                    items, created_ns = [queue_pb2.WorkItem.FromString(fields[b"item"])], now_ns
+                    items, created_ns = [queue.decode_item(fields)], now_ns
                 else:
-                    batch = queue_pb2.Batch.FromString(fields[b"batch"])
+                    batch = queue.decode_batch(fields)
                     items, created_ns = list(batch.items), batch.created_unix_ms * 1_000_000
                 sizes.append(len(items))
                 sent_ns = [int(i.request_id.split(":")[1]) for i in items]

@@ -56,8 +56,7 @@ class Workload:
         self.rng = random.Random(seed)
         self.long_every = long_every
         self.counter = 0
-        base = (REPO / "DESIGN.md").read_text() if (REPO / "DESIGN.md").exists() else \
-            Path("/work/shared/DESIGN.md").read_text()
+        base = (REPO / "README.md").read_text()     # a long, mixed English + code document
         ids = model.encode(base * (1 + 4 * LONG_TOKENS // max(1, len(model.encode(base)))))
         self.document = model.decode(ids[:LONG_TOKENS])
 

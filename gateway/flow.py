@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 import structlog
 
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.clock import now_ms
 from llmserve.errors import (DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                              Unavailable)
@@ -170,7 +170,7 @@ class Flow:
         meta.work_key = keys.work_stream(meta.model, item.priority)
         try:
             await self.redis.hset(key, mapping=meta.to_redis())
-            entry_id = await self.redis.xadd(meta.work_key, {"item": item.SerializeToString()})
+            entry_id = await self.redis.xadd(meta.work_key, queue.item_entry(item))
             meta.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             await self.redis.hset(key, "entry_id", meta.entry_id)
         except Exception:
@@ -240,7 +240,7 @@ class Flow:
             for _, entries in reply or ():
                 for entry_id, fields in entries:
                     last_id = entry_id
-                    event = queue_pb2.TokenEvent.FromString(fields[b"event"])
+                    event = queue.decode_event(fields)
                     watch.saw_event(event)
                     yield event
             if lease is not None:

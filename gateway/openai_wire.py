@@ -71,7 +71,7 @@ def _stops(body: dict) -> list[str]:
 def _common(body: dict, request: pb.GenerateRequest) -> Parsed:
     request.model = _get(body, "model", (str,), "a string") or ""
     request.sampling.CopyFrom(_sampling(body))
-    if (n := _get(body, "n", (int,), "an integer")) not in (None, 1):
+    if _get(body, "n", (int,), "an integer") not in (None, 1):
         raise InvalidArgument("n", "only n = 1 is supported")
     response_format = _get(body, "response_format", (dict,), "an object")
     if response_format is not None and response_format.get("type", "text") != "text":

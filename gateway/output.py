@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import structlog
 from tokenizers import Tokenizer
 
-from llmserve.errors import Unavailable, from_code_name
+from llmserve import queue
+from llmserve.errors import Unavailable
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 
@@ -79,7 +80,7 @@ class OutputBuilder:
         if event.final:
             if event.HasField("error") and event.error.code:
                 self.done = True
-                raise from_code_name(event.error.code, event.error.message or "generation failed")
+                raise queue.error_of(event)
             tail = self.matcher.feed(self.detok.flush())
             text += tail.text + ("" if tail.stopped else self.matcher.flush())
             reason = pb.FINISH_REASON_STOP if tail.stopped else event.finish_reason

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gpu_worker.requests import Tracked
-from llmserve import fencing, keys
+from llmserve import fencing, keys, queue
+from llmserve.errors import ServiceError
 from llmserve.v1 import queue_pb2
 
 
@@ -26,8 +27,7 @@ class Emission:
     index: int = 0
     final: bool = False
     finish_reason: int = 0
-    error_code: str = ""
-    error_message: str = ""
+    error: ServiceError | None = None   # on the last event of a request that failed
 
 
 def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
@@ -39,8 +39,8 @@ def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
     )
     if e.final:
         event.finish_reason = e.finish_reason
-        if e.error_code:
-            event.error.code, event.error.message = e.error_code, e.error_message
+        if e.error is not None:
+            event.error.CopyFrom(queue.event_error(e.error))
     if not e.tracked.sent_first:
         event.prompt_tokens = seq.num_prompt_tokens
         event.cached_prompt_tokens = seq.num_cached_prompt_tokens
@@ -74,10 +74,9 @@ class EventPublisher:
             return []
         pipe = self.redis.pipeline(transaction=False)
         for e in emissions:
-            fencing.fenced_xadd(pipe, e.tracked.item, build_event(e, self.worker_id).SerializeToString(), self.ttl_s)
+            fencing.fenced_xadd(pipe, e.tracked.item, build_event(e, self.worker_id), self.ttl_s)
         if ack_entries:
-            pipe.xack(self.inbox, keys.INBOX_GROUP, *ack_entries)
-            pipe.xdel(self.inbox, *ack_entries)
+            queue.ack_and_delete(pipe, self.inbox, keys.INBOX_GROUP, ack_entries)
         replies = await pipe.execute()
         refused = []
         for e, written in zip(emissions, replies):

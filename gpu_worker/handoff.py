@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.v1 import queue_pb2
 
 
@@ -20,8 +20,7 @@ async def hand_back(redis: aioredis.Redis, model: str, worker_id: str,
     inbox = keys.inbox_stream(model, worker_id)
     pipe = redis.pipeline(transaction=True)
     for item in items:
-        pipe.xadd(keys.work_stream(model, item.priority), {"item": item.SerializeToString()})
+        pipe.xadd(keys.work_stream(model, item.priority), queue.item_entry(item))
     if entries:
-        pipe.xack(inbox, keys.INBOX_GROUP, *entries)
-        pipe.xdel(inbox, *entries)
+        queue.ack_and_delete(pipe, inbox, keys.INBOX_GROUP, entries)
     await pipe.execute()

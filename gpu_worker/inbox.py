@@ -12,13 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-import redis.exceptions
 import structlog
 
-from google.protobuf.message import DecodeError
-
 from gpu_worker import metrics
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -30,17 +27,12 @@ class InboxEntry:
     batch: queue_pb2.Batch
 
 
-def _decode(entry_id: bytes | str, fields: dict) -> InboxEntry | None:
-    """The entry's batch; None when it has no decodable one."""
-    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    raw = fields.get(b"batch") or fields.get("batch")
-    if raw is None:
-        logger.error("dropping inbox entry without a batch field", entry_id=eid, fields=sorted(map(str, fields)))
-        return None
+def _decode(entry_id: str, fields: dict) -> InboxEntry | None:
+    """The entry's batch; None (logged) when it has no decodable one."""
     try:
-        return InboxEntry(eid, queue_pb2.Batch.FromString(raw))
-    except DecodeError as exc:
-        logger.error("dropping undecodable inbox entry", entry_id=eid, error=str(exc), size=len(raw))
+        return InboxEntry(entry_id, queue.decode_batch(fields))
+    except queue.Undecodable as exc:
+        logger.error("dropping undecodable inbox entry", entry_id=entry_id, error=str(exc))
         return None
 
 
@@ -60,11 +52,7 @@ class Inbox:
         self._pending_from: str | None = "0"   # None once own pending entries were re-read
 
     async def ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.key, keys.INBOX_GROUP, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        await queue.ensure_group(self.redis, self.key, keys.INBOX_GROUP)
 
     async def read(self, count: int, block_ms: int | None) -> list[InboxEntry]:
         """Own pending entries first (once), then new ones; `block_ms` None = do not wait."""
@@ -82,12 +70,13 @@ class Inbox:
         out: list[InboxEntry] = []
         dropped: list[str] = []
         for _stream, messages in reply or []:
-            for eid, fields in messages:
+            for raw_id, fields in messages:
                 if not fields:                 # deleted while pending: nothing left to run
                     continue
-                entry = _decode(eid, fields)
+                entry_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+                entry = _decode(entry_id, fields)
                 if entry is None:
-                    dropped.append(eid.decode() if isinstance(eid, bytes) else eid)
+                    dropped.append(entry_id)
                 else:
                     out.append(entry)
         if dropped:
@@ -97,7 +86,6 @@ class Inbox:
     async def drop(self, entry_ids: list[str]) -> None:
         """Acknowledge and delete entries that will never run."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(self.key, keys.INBOX_GROUP, *entry_ids)
-        pipe.xdel(self.key, *entry_ids)
+        queue.ack_and_delete(pipe, self.key, keys.INBOX_GROUP, entry_ids)
         await pipe.execute()
         metrics.INBOX_DROPPED.inc(len(entry_ids))

@@ -6,6 +6,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from gpu_worker.engine.sequence import SamplingParams, Sequence
+from llmserve import queue
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -50,7 +51,7 @@ class Tracked:
         return cls(item, seq, entry_id)
 
     def expired(self, at_ms: int) -> bool:
-        return 0 < self.item.deadline_unix_ms <= at_ms
+        return queue.is_expired(self.item, at_ms)
 
     def handoff_item(self) -> queue_pb2.WorkItem:
         """The work item to requeue: same request, with every token produced so far."""

@@ -23,11 +23,12 @@ import structlog
 
 from gpu_worker import metrics
 from gpu_worker.engine.engine import LLMEngine, StepOutput
-from gpu_worker.engine.sequence import FINISH_CANCELLED
+from gpu_worker.engine.sequence import FINISH_CANCELLED, Failure
 from gpu_worker.events import Emission, EventPublisher
 from gpu_worker.inbox import Inbox, InboxEntry
 from gpu_worker.requests import Tracked, validate_item
 from llmserve.clock import now_ms
+from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -150,10 +151,10 @@ class WorkerLoop:
     def _admit(self, tracked: Tracked) -> None:
         problem = validate_item(tracked.item, self.engine.model.config.vocab_size)
         if problem:
-            self._queue(Emission(tracked, final=True, error_code="INVALID_ARGUMENT", error_message=problem))
+            self._queue(Emission(tracked, final=True, error=InvalidArgument("prompt_token_ids", problem)))
         elif tracked.expired(now_ms()):
-            self._queue(Emission(tracked, final=True, error_code="DEADLINE_EXCEEDED",
-                                 error_message="deadline passed before the worker started"))
+            self._queue(Emission(tracked, final=True,
+                                 error=DeadlineExceeded("deadline passed before the worker started")))
         elif (done := self.engine.add(tracked.seq)) is not None:
             self._queue(Emission(tracked, final=True, finish_reason=done.seq.finish_reason))
 
@@ -171,16 +172,15 @@ class WorkerLoop:
                 self.engine.abort(t.seq, FINISH_CANCELLED)
                 self._queue(Emission(t, final=True, finish_reason=FINISH_CANCELLED))
             elif t.expired(at):
-                self.engine.abort(t.seq, 0, "DEADLINE_EXCEEDED")
-                self._queue(Emission(t, final=True, error_code="DEADLINE_EXCEEDED",
-                                     error_message="deadline exceeded during generation"))
+                self.engine.abort(t.seq, 0, Failure.DEADLINE)
+                self._queue(Emission(t, final=True, error=DeadlineExceeded("deadline exceeded during generation")))
 
     def _emit_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             tracked = self.state.tracked[out.seq.seq_id]
-            if out.seq.error_code:
-                self._queue(Emission(tracked, final=True, error_code=out.seq.error_code,
-                                     error_message="prompt does not fit in this worker's KV cache"))
+            if out.seq.failure is Failure.DOES_NOT_FIT:
+                self._queue(Emission(tracked, final=True, error=ResourceExhausted(
+                    "kv_cache", 0, "prompt does not fit in this worker's KV cache")))
             else:
                 self._queue(Emission(tracked, tuple(out.new_token_ids), final=out.finished,
                                      finish_reason=out.seq.finish_reason))
@@ -190,7 +190,7 @@ class WorkerLoop:
         index = emission.tracked.seq.num_generated - len(emission.token_ids)
         self.state.unpublished.append(dataclasses.replace(emission, index=index))
         if emission.final:
-            reason = emission.error_code or str(emission.finish_reason)
+            reason = emission.error.code.name if emission.error else str(emission.finish_reason)
             metrics.FINISHED.labels(reason=reason).inc()
             self._forget(emission.tracked)
 
@@ -224,7 +224,7 @@ class WorkerLoop:
             if tracked.done:
                 continue
             tracked.done = True
-            self.engine.abort(tracked.seq, 0, "FENCED")
+            self.engine.abort(tracked.seq, 0, Failure.SUPERSEDED)
             self._forget(tracked)
             self.state.unpublished = [e for e in self.state.unpublished if e.tracked is not tracked]
             metrics.FENCED.inc()

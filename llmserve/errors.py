@@ -1,4 +1,4 @@
-"""Domain errors and the exact gRPC status code each maps to (see DESIGN.md).
+"""Domain errors and the exact gRPC status code each maps to (README: "Status codes").
 
 Services raise these; the one exception interceptor of `llmserve.server` turns
 them into gRPC statuses. Anything else escaping a handler is a bug: logged with
@@ -67,18 +67,3 @@ class ResourceExhausted(ServiceError):
 
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("retry-after-ms", str(self.retry_after_ms)),)
-
-
-ERRORS_BY_CODE_NAME: dict[str, type[ServiceError]] = {
-    cls.code.name: cls
-    for cls in (Unauthenticated, PermissionDenied, NotFound, Unavailable, DeadlineExceeded)
-}
-
-
-def from_code_name(code_name: str, message: str) -> ServiceError:
-    """Rebuild a ServiceError from a status name carried in a token event."""
-    if code_name == "INVALID_ARGUMENT":
-        return InvalidArgument("request", message)
-    if code_name == "RESOURCE_EXHAUSTED":
-        return ResourceExhausted("capacity", 1000, message)
-    return ERRORS_BY_CODE_NAME.get(code_name, Unavailable)(message)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.v1 import queue_pb2
 
 ISSUED, FENCE = "issued", "fence"
@@ -44,12 +44,12 @@ local epoch = tonumber(ARGV[1])
 local fence = tonumber(redis.call('HGET', KEYS[2], 'fence') or '0')
 if epoch < fence then return 0 end
 if epoch > fence then redis.call('HSET', KEYS[2], 'fence', ARGV[1]) end
-redis.call('XADD', KEYS[1], '*', 'event', ARGV[3])
+redis.call('XADD', KEYS[1], '*', '%(event_field)s', ARGV[3])
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 if redis.call('EXISTS', KEYS[3]) == 1 then redis.call('EXPIRE', KEYS[3], ARGV[2]) end
 return 1
-"""
+""" % {"event_field": queue.EVENT_FIELD}
 
 
 def epoch_key(item: queue_pb2.WorkItem) -> str:
@@ -79,7 +79,7 @@ async def raise_fence(redis: aioredis.Redis, items: Sequence[queue_pb2.WorkItem]
     await pipe.execute()
 
 
-def fenced_xadd(pipe, item: queue_pb2.WorkItem, event: bytes, ttl_s: int) -> None:
+def fenced_xadd(pipe, item: queue_pb2.WorkItem, event: queue_pb2.TokenEvent, ttl_s: int) -> None:
     """Queue an event write that Redis refuses (reply 0) when `item`'s dispatch was superseded."""
     pipe.eval(_FENCED_XADD, 3, item.events_key, epoch_key(item), keys.request_meta(item.tenant, item.request_id),
-              item.dispatch_epoch, ttl_s, event)
+              item.dispatch_epoch, ttl_s, event.SerializeToString())

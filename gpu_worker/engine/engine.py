@@ -15,7 +15,7 @@ from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.metadata_builder import build_model_input
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence
+from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, Failure, SamplingParams, Sequence
 from gpu_worker.model.kv_cache import KVCache
 
 
@@ -100,10 +100,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         return None
 
-    def abort(self, seq: Sequence, reason: int, error_code: str = "") -> None:
+    def abort(self, seq: Sequence, reason: int, failure: Failure | None = None) -> None:
         """Stop `seq` now (cancel, deadline, drain) and free its blocks."""
         if not seq.is_finished:
-            seq.finish(reason, error_code)
+            seq.finish(reason, failure)
         self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
@@ -172,12 +172,12 @@ class LLMEngine:
             self._finish(seq, FINISH_LENGTH)
         return StepOutput(seq, [token], finished=seq.is_finished)
 
-    def _finish(self, seq: Sequence, reason: int, error_code: str = "") -> None:
-        seq.finish(reason, error_code)
+    def _finish(self, seq: Sequence, reason: int) -> None:
+        seq.finish(reason)
         self.scheduler.finish(seq)
 
     def _out_of_memory(self, seq: Sequence) -> StepOutput:
-        seq.finish(0, "RESOURCE_EXHAUSTED")
+        seq.finish(0, Failure.DOES_NOT_FIT)
         return StepOutput(seq, [], finished=True)
 
     # --- offline use -----------------------------------------------------------------------

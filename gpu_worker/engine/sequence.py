@@ -27,6 +27,14 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class Failure(enum.Enum):
+    """Why the engine ended a sequence without finishing it (the worker maps it to a status)."""
+
+    DOES_NOT_FIT = "does_not_fit"    # the prompt needs more KV blocks than the whole cache
+    DEADLINE = "deadline"            # its deadline passed while it ran
+    SUPERSEDED = "superseded"        # dispatched again elsewhere (fencing): this run must stop
+
+
 # Finish reasons reuse the public enum so events need no translation.
 FINISH_STOP = inference_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = inference_pb2.FINISH_REASON_LENGTH
@@ -75,7 +83,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0   # prompt tokens served from the prefix cache at first admission
     admitted: bool = False
     finish_reason: int = 0              # FinishReason; 0 = not finished
-    error_code: str = ""                # gRPC status name when the sequence failed
+    failure: Failure | None = None      # why the sequence failed (None: it did not)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = [*self.prompt_token_ids, *self.prior_output_ids]
@@ -112,10 +120,10 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
-    def finish(self, reason: int, error_code: str = "") -> None:
+    def finish(self, reason: int, failure: Failure | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
-        self.error_code = error_code
+        self.failure = failure
 
     def reset_for_recompute(self) -> None:
         """Preempted: KV is dropped, every token (prompt and output) is recomputed later."""

@@ -1,4 +1,4 @@
-"""Bad input: thousands of random and mutated requests get only the status codes DESIGN.md allows,
+"""Bad input: thousands of random and mutated requests get only the status codes the API allows,
 and every service is still SERVING and answering afterwards.
 
 Runs on the shared stack when that uses tests/data/tenants.test.yaml (tenant "fuzz", key "fuzz-key": quotas
@@ -50,7 +50,7 @@ class Outcome:
     def allowed(self) -> bool:
         if self.code in ALLOWED:
             return True
-        # DESIGN.md: gRPC's own answer to bytes that are no valid message is not the service's to choose.
+        # gRPC's own answer to bytes that are no valid message is not the service's to choose.
         return not self.wire_ok and self.code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) \
             and ("pars" in self.details.lower() or "deserializ" in self.details.lower())
 

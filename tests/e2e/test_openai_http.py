@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis
 
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.loadgen.streams import PROMPTS
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc, queue_pb2
@@ -127,7 +127,7 @@ def test_client_disconnect_cancels_the_request(client, stack):
         assert wait_until(lambda: running_sequences(valkey, stack.model_id) == 0, 60), \
             "the worker kept generating for a closed HTTP stream"
         events = valkey.xrange(keys.events_stream("dev", stream.response.headers["x-request-id"]))
-        final = queue_pb2.TokenEvent.FromString(events[-1][1][b"event"])
+        final = queue.decode_event(events[-1][1])
         assert final.final and final.finish_reason == pb.FINISH_REASON_CANCELLED
     finally:
         valkey.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -68,9 +68,10 @@ class ScriptedWorker:
             for stream, entries in reply or ():
                 for entry_id, fields in entries:
                     streams[stream.decode()] = entry_id
-                    if b"item" not in fields:
+                    try:
+                        item = queue.decode_item(fields)
+                    except queue.Undecodable:
                         continue
-                    item = queue_pb2.WorkItem.FromString(fields[b"item"])
                     if not item.request_id.startswith("idle-"):  # idle items stay queued, never dispatched
                         await self.redis.xdel(stream, entry_id)
                     self.items.append(item)
@@ -81,7 +82,7 @@ class ScriptedWorker:
     async def emit(self, item, **kw) -> None:
         event = queue_pb2.TokenEvent(request_id=item.request_id, admitted_unix_ms=item.enqueued_unix_ms + 1,
                                      prompt_tokens=len(item.prompt_token_ids), **kw)
-        await self.redis.xadd(item.events_key, {"event": event.SerializeToString()})
+        await self.redis.xadd(item.events_key, queue.event_entry(event))
         await self.redis.expire(item.events_key, 600)
 
     async def serve(self, item) -> None:

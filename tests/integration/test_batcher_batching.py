@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
-from batcher import harness as h
+import queue_harness as h
 from batcher.config import BatcherSettings
 from batcher.service import BatcherService
 from llmserve import keys

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from batcher import harness as h
+import queue_harness as h
 from llmserve import keys
 
 pytestmark = pytest.mark.timeout(120)

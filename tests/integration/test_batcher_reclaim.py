@@ -8,7 +8,7 @@ import collections
 
 import pytest
 
-from batcher import harness as h
+import queue_harness as h
 from llmserve import keys
 from test_batcher_batching import collect, ids, start_batcher, until  # noqa: F401
 

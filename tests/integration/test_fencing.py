@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve import fencing, keys, redis_client
+from llmserve import fencing, keys, queue, redis_client
 from llmserve.v1 import queue_pb2
 
 TTL_S = 100
@@ -23,15 +23,17 @@ def item(epoch: int = 0) -> queue_pb2.WorkItem:
                               dispatch_epoch=epoch)
 
 
-async def write(redis, work_item: queue_pb2.WorkItem, payload: bytes) -> int:
+async def write(redis, work_item: queue_pb2.WorkItem, marker: str) -> int:
+    """Write an event whose worker_id is `marker`; 1 when Redis took it."""
     pipe = redis.pipeline(transaction=False)
-    fencing.fenced_xadd(pipe, work_item, payload, TTL_S)
+    fencing.fenced_xadd(pipe, work_item, queue_pb2.TokenEvent(request_id="r1", worker_id=marker), TTL_S)
     [written] = await pipe.execute()
     return written
 
 
-def events(clean_redis) -> list[bytes]:
-    return [fields[b"event"] for _, fields in clean_redis.xrange(keys.events_stream("t", "r1"))]
+def events(clean_redis) -> list[str]:
+    """The markers of the events in the stream, in order."""
+    return [queue.decode_event(fields).worker_id for _, fields in clean_redis.xrange(keys.events_stream("t", "r1"))]
 
 
 async def test_each_dispatch_gets_a_newer_epoch(redis):
@@ -43,18 +45,18 @@ async def test_each_dispatch_gets_a_newer_epoch(redis):
 
 async def test_raised_fence_refuses_the_older_dispatch(redis, clean_redis):
     old, new = item(1), item(2)
-    assert await write(redis, old, b"a") == 1
+    assert await write(redis, old, "a") == 1
     await fencing.raise_fence(redis, [new], TTL_S)
-    assert await write(redis, old, b"b") == 0
-    assert await write(redis, new, b"c") == 1
-    assert events(clean_redis) == [b"a", b"c"]
+    assert await write(redis, old, "b") == 0
+    assert await write(redis, new, "c") == 1
+    assert events(clean_redis) == ["a", "c"]
 
 
 async def test_first_write_of_a_newer_dispatch_fences_the_older(redis, clean_redis):
     old, new = item(1), item(2)
-    assert await write(redis, new, b"x") == 1
-    assert await write(redis, old, b"y") == 0
-    assert events(clean_redis) == [b"x"]
+    assert await write(redis, new, "x") == 1
+    assert await write(redis, old, "y") == 0
+    assert events(clean_redis) == ["x"]
 
 
 async def test_a_lost_dispatch_does_not_fence_the_one_that_won(redis, clean_redis):
@@ -63,12 +65,12 @@ async def test_a_lost_dispatch_does_not_fence_the_one_that_won(redis, clean_redi
     await fencing.issue(redis, [winner], TTL_S)
     await fencing.issue(redis, [loser], TTL_S)   # the loser's dispatch script then fails
     await fencing.raise_fence(redis, [winner], TTL_S)
-    assert await write(redis, winner, b"w") == 1
+    assert await write(redis, winner, "w") == 1
 
 
 async def test_event_write_keeps_the_request_meta_alive(redis, clean_redis):
     meta = keys.request_meta("t", "r1")
     clean_redis.hset(meta, "owner", "t")
     clean_redis.expire(meta, 5)
-    await write(redis, item(1), b"e")
+    await write(redis, item(1), "e")
     assert clean_redis.ttl(meta) > 5

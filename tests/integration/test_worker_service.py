@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.model.loader import load_model
 from gpu_worker.requests import sampling_params
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.v1 import inference_pb2, queue_pb2, worker_pb2, worker_pb2_grpc
 
 VOCAB, LAYERS, HIDDEN, INTER, HEADS, KV_HEADS = 256, 2, 64, 128, 4, 2
@@ -119,11 +119,11 @@ def make_item(request_id: str, prompt: list[int], max_new: int, temperature: flo
 def dispatch(client: redis.Redis, worker_id: str, items: list[queue_pb2.WorkItem], batch_id: str = "b1") -> None:
     inbox = keys.inbox_stream(MODEL, worker_id)
     batch = queue_pb2.Batch(batch_id=batch_id, items=items, created_unix_ms=int(time.time() * 1000))
-    client.xadd(inbox, {"batch": batch.SerializeToString()})
+    client.xadd(inbox, queue.batch_entry(batch))
 
 
 def events(client: redis.Redis, item: queue_pb2.WorkItem) -> list[queue_pb2.TokenEvent]:
-    return [queue_pb2.TokenEvent.FromString(f[b"event"]) for _, f in client.xrange(item.events_key)]
+    return [queue.decode_event(f) for _, f in client.xrange(item.events_key)]
 
 
 def wait_final(client: redis.Redis, items: list[queue_pb2.WorkItem], timeout: float = 120) -> None:
@@ -230,7 +230,7 @@ def test_sigterm_drain_hands_back_and_other_worker_continues(workers, model_dir,
     assert a.wait_exit() == 0
     assert a.heartbeat(clean_redis) is None
     stream = keys.work_stream(MODEL, inference_pb2.PRIORITY_NORMAL)
-    handed = [queue_pb2.WorkItem.FromString(f[b"item"]) for _, f in clean_redis.xrange(stream)]
+    handed = [queue.decode_item(f) for _, f in clean_redis.xrange(stream)]
     assert sorted(i.request_id for i in handed) == ["h0", "h1", "h2", "h3"]
     for item in handed:                                 # tokens so far travel with the item
         produced = completion(events(clean_redis, item))

@@ -1,17 +1,16 @@
-"""The other side of the batcher's contract, for tests and the bench.
+"""The other side of the batcher's contract, for tests and bench/batcher.py.
 
 Plays the gateway (enqueue WorkItems) and the worker (heartbeats, reading and
-acking inbox batches, final events) exactly as the queue protocol in
-DESIGN.md says, with a plain synchronous Redis client. Calls never block.
+acking inbox batches, final events) through the queue protocol of `llmserve.queue`,
+with a plain synchronous Redis client. Calls never block.
 """
 
 from __future__ import annotations
 
-
 import redis
 from redis.exceptions import ResponseError
 
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.clock import now_ms
 from llmserve.v1 import inference_pb2, queue_pb2
 
@@ -36,7 +35,7 @@ def enqueue(client: redis.Redis, *items: queue_pb2.WorkItem) -> None:
     pipe = client.pipeline(transaction=True)
     for item in items:
         pipe.xadd(keys.work_stream(item.model, item.priority or inference_pb2.PRIORITY_NORMAL),
-                  {"item": item.SerializeToString()})
+                  queue.item_entry(item))
     pipe.execute()
 
 
@@ -65,14 +64,14 @@ def read_inbox(client: redis.Redis, worker_id: str, model: str = MODEL,
     ensure_inbox(client, worker_id, model)
     reply = client.xreadgroup(keys.INBOX_GROUP, worker_id, {keys.inbox_stream(model, worker_id): ">"},
                               count=count)
-    return [(entry_id.decode(), queue_pb2.Batch.FromString(fields[b"batch"]))
+    return [(entry_id.decode(), queue.decode_batch(fields))
             for _, entries in reply or [] for entry_id, fields in entries]
 
 
 def peek_inbox(client: redis.Redis, worker_id: str, model: str = MODEL) -> list[queue_pb2.Batch]:
     """Every batch entry still in the inbox stream, without reading it as a consumer."""
     entries = client.xrange(keys.inbox_stream(model, worker_id))
-    return [queue_pb2.Batch.FromString(fields[b"batch"]) for _, fields in entries]
+    return [queue.decode_batch(fields) for _, fields in entries]
 
 
 def finish(client: redis.Redis, worker_id: str, entry_id: str, batch: queue_pb2.Batch,
@@ -82,13 +81,13 @@ def finish(client: redis.Redis, worker_id: str, entry_id: str, batch: queue_pb2.
     for item in batch.items:
         event = queue_pb2.TokenEvent(request_id=item.request_id, index=0, token_ids=[7], final=True,
                                      finish_reason=inference_pb2.FINISH_REASON_STOP, worker_id=worker_id)
-        pipe.xadd(item.events_key, {"event": event.SerializeToString()})
+        pipe.xadd(item.events_key, queue.event_entry(event))
     pipe.xack(keys.inbox_stream(model, worker_id), keys.INBOX_GROUP, entry_id)
     pipe.execute()
 
 
 def events(client: redis.Redis, item: queue_pb2.WorkItem) -> list[queue_pb2.TokenEvent]:
-    return [queue_pb2.TokenEvent.FromString(fields[b"event"]) for _, fields in client.xrange(item.events_key)]
+    return [queue.decode_event(fields) for _, fields in client.xrange(item.events_key)]
 
 
 def pending_work(client: redis.Redis, model: str = MODEL) -> int:
