@@ -1,7 +1,7 @@
 // Shared device helpers for the llmserve kernels: element types, 8-element chunk loads/stores,
 // warp and block reductions. Header-free on purpose: NVRTC (CuPy's RawModule) ships no
 // cuda_fp16.h / cuda_bf16.h, and include paths differ between machines, so the two 16-bit types
-// are plain storage structs: fp16 converted with PTX cvt instructions, bf16 with integer ops.
+// are plain storage structs converted with PTX cvt instructions (integer ops for bf16 below sm_80).
 #pragma once
 
 namespace llmserve {
@@ -30,12 +30,18 @@ __device__ __forceinline__ unsigned short float_to_f16_bits(float x) {  // round
 }
 #endif
 
-// Round to nearest even on the bit pattern, NaN to the canonical 0x7fff: what cvt.rn.bf16.f32 gives,
-// without its sm_80 requirement (bf16 models then run on older GPUs too).
+// Round to nearest even, NaN to the canonical 0x7fff. cvt.rn.bf16.f32 needs sm_80; below that (and
+// on the CPU) the same rounding in integer ops, so bf16 models run on older GPUs too.
 __device__ __forceinline__ unsigned short float_to_bf16_bits(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+#else
   const unsigned u = __float_as_uint(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;
   return static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+#endif
 }
 
 __device__ __forceinline__ float to_float(float x) { return x; }
