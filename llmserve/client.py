@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 
@@ -115,7 +116,8 @@ def _error(exc: BaseException, request_id: str = "") -> LLMServeError:
     trailing = dict(exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else {}
     initial = dict(exc.initial_metadata() or ()) if hasattr(exc, "initial_metadata") else {}
     retry = trailing.get("retry-after-ms")
-    return LLMServeError(exc.code(), exc.details() or "", initial.get("x-request-id", request_id),
+    rpc = cast(grpc.RpcError, exc)   # every other exception reaching here is a gRPC error
+    return LLMServeError(rpc.code(), rpc.details() or "", initial.get("x-request-id", request_id),
                          int(retry) if retry and str(retry).isdigit() else None)
 
 

@@ -22,7 +22,7 @@ PREFIX = "llmserve"
 WORK_GROUP = "batchers"
 INBOX_GROUP = "workers"
 
-PRIORITY_NAMES = {
+PRIORITY_NAMES: dict[int, str] = {
     inference_pb2.PRIORITY_LOW: "low",
     inference_pb2.PRIORITY_NORMAL: "normal",
     inference_pb2.PRIORITY_HIGH: "high",

@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 from llmserve.clock import now_ms
 from llmserve.errors import (DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                              ServiceError, Unauthenticated, Unavailable)
-from llmserve.v1 import queue_pb2
+from llmserve.v1 import inference_pb2, queue_pb2
 
 ITEM_FIELD = "item"
 BATCH_FIELD = "batch"
@@ -95,7 +95,8 @@ def event_error(error: ServiceError) -> queue_pb2.EventError:
 
 
 def final_event(item: queue_pb2.WorkItem, error: ServiceError | None = None,
-                finish_reason: int = 0) -> queue_pb2.TokenEvent:
+                finish_reason: inference_pb2.FinishReason = inference_pb2.FINISH_REASON_UNSPECIFIED,
+                ) -> queue_pb2.TokenEvent:
     """The last event of a request that ends without (more) tokens: an error, or a finish reason."""
     event = queue_pb2.TokenEvent(request_id=item.request_id, index=len(item.generated_token_ids), final=True,
                                  prompt_tokens=len(item.prompt_token_ids), finish_reason=finish_reason)

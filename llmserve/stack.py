@@ -79,9 +79,14 @@ class ServiceProcess:
 
     @property
     def port(self) -> int:
-        if self._port is None:
-            self.wait_port(time.monotonic() + 300.0)
-        return self._port
+        return self._port if self._port is not None else self.wait_port(time.monotonic() + 300.0)
+
+    @property
+    def popen(self) -> subprocess.Popen:
+        """The running (or exited) child; only after start()."""
+        if self.process is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.process
 
     @property
     def target(self) -> str:
@@ -108,7 +113,7 @@ class ServiceProcess:
                 self._port = int(text)
                 if self.sticky_port:
                     self.port_request = self._port
-                break
+                return self._port
             self._check_running(deadline, "bound no port")
             time.sleep(0.05)
         return self._port
@@ -130,18 +135,18 @@ class ServiceProcess:
 
     def _check_running(self, deadline: float, what: str) -> None:
         if not self.alive():
-            raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log: {self.log_path}\n"
+            raise RuntimeError(f"{self.name} exited with {self.popen.returncode}; log: {self.log_path}\n"
                                f"{self.log_tail()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{self.name} {what} in time; log: {self.log_path}\n{self.log_tail()}")
 
     def signal(self, sig: int) -> None:
         if self.alive():
-            self.process.send_signal(sig)
+            self.popen.send_signal(sig)
 
     def wait(self, timeout_s: float) -> int | None:
         try:
-            return self.process.wait(timeout=timeout_s)
+            return self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return None
 
@@ -152,8 +157,8 @@ class ServiceProcess:
         self.signal(signal.SIGTERM)
         code = self.wait(timeout_s)
         if code is None:
-            self.process.kill()
-            code = self.process.wait()
+            self.popen.kill()
+            code = self.popen.wait()
         return code
 
     def log_tail(self, lines: int = 30) -> str:
@@ -168,8 +173,12 @@ class Stack:
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self._tmp = None if config.log_dir else tempfile.TemporaryDirectory(prefix="llmserve-stack-")
-        self.log_dir = Path(config.log_dir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        log_dir = config.log_dir
+        if log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-stack-")
+            log_dir = Path(self._tmp.name)
+        self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.valkey: ValkeyServer | None = None
         self.redis_url = config.redis_url or ""
@@ -275,8 +284,8 @@ class Stack:
         """kill -9 one service."""
         proc = self.services[name]
         if proc.alive():
-            proc.process.kill()
-            proc.process.wait()
+            proc.popen.kill()
+            proc.popen.wait()
 
     def stop(self) -> dict[str, int | None]:
         """Stop every service gracefully (front door first), then Valkey. Returns exit codes."""

@@ -137,8 +137,8 @@ class Supervisor:
             proc.signal(signal.SIGTERM)
             code = proc.wait(max(1.0, deadline - time.monotonic()))
             if code is None:
-                proc.process.kill()
-                proc.process.wait()
+                proc.popen.kill()
+                proc.popen.wait()
             with self._lock:
                 if self._stopped:
                     return

@@ -39,8 +39,11 @@ class ValkeyServer:
                  password: str = "") -> None:
         self._auto_port = port == 0
         self.port = port or free_port()
-        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="llmserve-valkey-")
-        self.data_dir = Path(data_dir or self._tmp.name)
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        if data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-valkey-")
+            data_dir = Path(self._tmp.name)
+        self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.appendonly = appendonly
         self.password = password
@@ -81,7 +84,7 @@ class ValkeyServer:
         try:
             while True:
                 if self.process.poll() is not None:
-                    stderr = self.process.stderr.read().decode(errors="replace")
+                    stderr = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
                     if "in use" in stderr:
                         raise PortTaken(stderr)
                     raise RuntimeError(f"valkey-server did not start: {stderr!r}")

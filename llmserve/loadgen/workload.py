@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 # Short, common English words: roughly one BPE token each, so a prompt of N words
@@ -53,13 +53,13 @@ def _clamp(value: float) -> int:
     return int(min(max(round(value), 1), 1_000_000))
 
 
-_SAMPLERS = {
+_SAMPLERS: dict[str, Callable[..., float]] = {
     "const": lambda rng, n: n,
     "uniform": lambda rng, lo, hi: rng.randint(int(lo), int(hi)),
     "normal": lambda rng, mean, std: rng.gauss(mean, std),
     "exp": lambda rng, mean: rng.expovariate(1.0 / mean),
 }
-_MEANS = {
+_MEANS: dict[str, Callable[..., float]] = {
     "const": lambda n: n,
     "uniform": lambda lo, hi: (lo + hi) / 2,
     "normal": lambda mean, std: mean,
