@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
+import cpu_backend as cb
 import pytest
 
-import cpu_backend as cb
 from gpu_worker.ops import cuda
 
 EXECUTED: set[str] = set()  # kernel variants launched in this session (reported at the end)

@@ -154,7 +154,7 @@ def build(source_path: Path, expressions: list[str]) -> Path:
 
 
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise KernelError(f"g++ failed ({' '.join(cmd[:1] + cmd[-3:])}):\n{proc.stderr[-6000:]}")
 

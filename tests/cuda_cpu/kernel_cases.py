@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 import cpu_backend as cb
+import torch
 
 DTYPES = [torch.float16, torch.bfloat16]
 TOL = {torch.float16: dict(atol=5e-3, rtol=5e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import (
+    DTYPES,
+    TOL,
+    fp32_oracle,
+    paged_batch,
+    ragged,
+    rand,
+    same_bits_in_every_order,
+)
 
 from gpu_worker.ops import cuda, reference
-from kernel_cases import DTYPES, TOL, fp32_oracle, paged_batch, ragged, rand, same_bits_in_every_order
 
 # ------------------------------------------------------------------ paged decode attention
 

@@ -4,15 +4,14 @@ off-by-one on the last block) must each fail them; the unchanged copy must pass.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
+import cpu_backend as cb
 import pytest
 import torch
-
-import cpu_backend as cb
-from gpu_worker.ops import cuda, reference
 from kernel_cases import ORDERS, TOL, bits, fp32_oracle, paged_batch, rand
+
+from gpu_worker.ops import cuda, reference
 
 DTYPE = torch.bfloat16
 HEAD_DIM = 64

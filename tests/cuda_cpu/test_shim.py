@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import cpu_backend as cb
 import numpy as np
 import pytest
 import torch
-
-import cpu_backend as cb
-from gpu_worker.ops import cuda, reference
 from kernel_cases import ORDERS, TOL, bits, rand
+
+from gpu_worker.ops import cuda, reference
 
 HERE = Path(__file__).resolve().parent
 PROBES = [f"probe::{name}" for name in (

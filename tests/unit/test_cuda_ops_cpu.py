@@ -178,5 +178,5 @@ def test_bf16_kernels_build_for_gpus_before_sm80(tmp_path):
         tu = tmp_path / f"{filename}_sm75.cu"
         tu.write_text(f'#include "{cuda.KERNEL_DIR / filename}"\nvoid* keep[] = {{{keep}}};\n')
         proc = subprocess.run([NVCC, "-std=c++17", "-arch=sm_75", "-cubin", "-o", str(tu.with_suffix(".cubin")),
-                               str(tu)], capture_output=True, text=True, timeout=600)
+                               str(tu)], capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 0, f"{filename} for sm_75:\n{proc.stderr[-3000:]}"
