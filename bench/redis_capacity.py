@@ -233,8 +233,8 @@ def measure(args) -> dict:
 
 def measure_cluster(args) -> dict:
     sys.path.insert(0, str(ROOT / "tests" / "cluster"))
-    from valkey_cluster import ValkeyCluster
     from redis.crc import key_slot
+    from valkey_cluster import ValkeyCluster
 
     cluster = ValkeyCluster(masters=args.cluster).start()
     clients = [redis.Redis(host="127.0.0.1", port=n.port) for n in cluster.nodes]

@@ -18,6 +18,8 @@ connection. Multi-key commands, scripts and MULTI must keep their keys in one ha
 
 from __future__ import annotations
 
+from typing import cast
+
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -39,6 +41,8 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
 )
 
 _PROBE_TIMEOUT_S = 2.0
+# XREAD / XREADGROUP option -> how many arguments it spans, before STREAMS
+_READ_OPTIONS = {"COUNT": 2, "BLOCK": 2, "NOACK": 1, "GROUP": 3}
 
 
 def is_cluster(url: str, password: str = "") -> bool:
@@ -76,7 +80,7 @@ def connect(url: str, password: str = "", *, socket_timeout: float | None = 5.0,
     )
     if not is_cluster(url, password):
         return aioredis.from_url(url, **kwargs)
-    return ClusterClient.from_url(url, **kwargs)
+    return cast(ClusterClient, ClusterClient.from_url(url, **kwargs))   # from_url is typed as the base class
 
 
 def connect_sync(url: str, password: str = "", *, socket_timeout: float | None = 5.0) -> redis.Redis | RedisCluster:
@@ -147,16 +151,13 @@ class _StreamKeysParser(AsyncCommandsParser):
     on every call: one more round trip per read, all of them to one node.
     """
 
-    # option -> how many arguments it takes with it, before STREAMS
-    _OPTIONS = {"COUNT": 2, "BLOCK": 2, "NOACK": 1, "GROUP": 3}
-
     async def get_keys(self, *args):
         name = str(args[0]).upper()
         if name not in ("XREAD", "XREADGROUP"):
             return await super().get_keys(*args)
         pos = 1
         while pos < len(args) and _word(args[pos]) != "STREAMS":
-            pos += self._OPTIONS.get(_word(args[pos]), 1)
+            pos += _READ_OPTIONS.get(_word(args[pos]), 1)
         streams = args[pos + 1:]
         return list(streams[:len(streams) // 2])
 

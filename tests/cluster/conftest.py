@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from valkey_cluster import ValkeyCluster
 
 from llmserve import redis_client
 from llmserve.stack import Stack, StackConfig
-
-from valkey_cluster import ValkeyCluster
 
 CLUSTER_TENANTS = Path(__file__).resolve().parent / "tenants.cluster.yaml"
 

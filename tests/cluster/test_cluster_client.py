@@ -12,11 +12,11 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.crc import key_slot
+from valkey_cluster import ValkeyCluster
 
 from llmserve import keys, redis_client
 from llmserve.valkey import ValkeyServer
 
-from valkey_cluster import ValkeyCluster
 
 def test_any_node_gives_the_cluster_client_a_plain_server_the_plain_one(valkey_cluster):
     for node in valkey_cluster.nodes:

@@ -26,9 +26,14 @@ from llmserve.v1 import inference_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))
 from test_gateway_e2e import (  # noqa: E402,F401  (collected and run here, on the cluster stack)
-    story, test_cancel_rpc_stops_the_workers_sequence, test_resume_after_kill_9_of_gateway_mid_stream)
+    story,
+    test_cancel_rpc_stops_the_workers_sequence,
+    test_resume_after_kill_9_of_gateway_mid_stream,
+)
 from test_thin_path import (  # noqa: E402,F401
-    test_concurrent_requests_match_their_solo_runs, test_generate_streams_paris)
+    test_concurrent_requests_match_their_solo_runs,
+    test_generate_streams_paris,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

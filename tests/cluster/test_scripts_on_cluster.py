@@ -12,15 +12,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 from test_batcher_scripts import (  # noqa: E402,F401  (collected and run here, on the cluster)
-    scripts, test_dispatch_by_a_non_owner_changes_nothing, test_dispatch_by_the_owner_moves_items_atomically,
-    test_one_foreign_entry_blocks_the_whole_dispatch, test_touch_refreshes_own_entries_and_reports_lost_ones)
+    scripts,
+    test_dispatch_by_a_non_owner_changes_nothing,
+    test_dispatch_by_the_owner_moves_items_atomically,
+    test_one_foreign_entry_blocks_the_whole_dispatch,
+    test_touch_refreshes_own_entries_and_reports_lost_ones,
+)
 from test_fencing import (  # noqa: E402,F401
-    redis, test_a_lost_dispatch_does_not_fence_the_one_that_won, test_each_dispatch_gets_a_newer_epoch,
-    test_event_write_keeps_the_request_meta_alive, test_first_write_of_a_newer_dispatch_fences_the_older,
-    test_raised_fence_refuses_the_older_dispatch)
+    redis,
+    test_a_lost_dispatch_does_not_fence_the_one_that_won,
+    test_each_dispatch_gets_a_newer_epoch,
+    test_event_write_keeps_the_request_meta_alive,
+    test_first_write_of_a_newer_dispatch_fences_the_older,
+    test_raised_fence_refuses_the_older_dispatch,
+)
 from test_gateway_quota import (  # noqa: E402,F401
-    quota, test_64_callers_3_processes_never_exceed_gcra, test_64_callers_3_processes_never_exceed_max_concurrent,
-    test_gcra_burst_then_rate, test_leases_expire_after_kill_9, test_tokens_limit_names_limit_and_retry)
+    quota,
+    test_64_callers_3_processes_never_exceed_gcra,
+    test_64_callers_3_processes_never_exceed_max_concurrent,
+    test_gcra_burst_then_rate,
+    test_leases_expire_after_kill_9,
+    test_tokens_limit_names_limit_and_retry,
+)
 
 
 async def test_drain_handoff_multi_runs_on_the_cluster(redis_url, clean_redis):

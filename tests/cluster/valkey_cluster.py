@@ -49,7 +49,7 @@ class ValkeyCluster:
     def url(self) -> str:
         return self.nodes[0].url
 
-    def start(self, timeout_s: float = 30.0) -> "ValkeyCluster":
+    def start(self, timeout_s: float = 30.0) -> ValkeyCluster:
         try:
             for node in self.nodes:
                 node.start()
