@@ -26,9 +26,12 @@ CPU_DTYPE = torch.float32
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
-    """Compute dtype for a device: fp32 on CPU; bf16 on GPUs that support it, else fp16."""
+    """Compute dtype for a device: fp32 on CPU; bf16 on GPUs with native bf16 (sm_80+), else fp16.
+
+    torch calls bf16 "supported" on older GPUs too, by emulating it (slow matmuls); those get fp16.
+    """
     if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return CPU_DTYPE
 
 

@@ -383,3 +383,17 @@ def test_llama3_rope_scaling_config(tmp_path):
     torch.testing.assert_close(scaled[wavelen > 64], plain[wavelen > 64] / 8)  # low frequencies / factor
     model = load_model(tmp_path / "l3", "cpu", torch.float32)
     check_batched_steps(model, weights, cfg, scaled)
+
+
+def test_gpus_without_native_bf16_default_to_fp16(monkeypatch):
+    """torch reports bf16 as supported on pre-sm_80 GPUs by emulating it; those get fp16."""
+    import torch
+
+    from gpu_worker.model.loader import default_dtype
+
+    native = {"sm_75": False, "sm_80": True}
+    for arch, has_native_bf16 in native.items():
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True, n=has_native_bf16: n or including_emulation)
+        assert default_dtype("cuda") == (torch.bfloat16 if has_native_bf16 else torch.float16), arch
+    assert default_dtype("cpu") == torch.float32
