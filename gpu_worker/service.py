@@ -63,7 +63,11 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)
     if device == "cuda" and settings.graph_batch_sizes():
         engine.capture_decode_graphs(settings.graph_batch_sizes())
-        logger.info("decode steps captured in CUDA graphs", batch_sizes=settings.graph_batch_sizes())
+        if engine.decode_graphs.disabled_reason is None:
+            logger.info("decode steps captured in CUDA graphs", batch_sizes=settings.graph_batch_sizes())
+        else:
+            logger.warning("decode steps run eagerly, without CUDA graphs",
+                           reason=engine.decode_graphs.disabled_reason)
     return engine
 
 
