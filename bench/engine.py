@@ -160,7 +160,7 @@ def run_engine(model: LlamaModel, fmt: str, prompts: list[list[int]], output_len
     seconds = time.perf_counter() - start
     tokens = sum(len(s.output_token_ids) for s in seqs)
     p50, p90 = itl_stats(list(times.values()))
-    system = "engine" if fmt == "none" else f"engine {fmt}"
+    system = f"engine {'fp32' if fmt == 'none' else fmt}"
     return Result(system, n, n, tokens, seconds, tokens / seconds, p50, p90), [s.output_token_ids for s in seqs]
 
 
