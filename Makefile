@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: up test setup model protos bench clean test-kernels-asan
+.PHONY: up test lint setup model protos bench clean test-kernels-asan
 
 setup: $(STAMP) model
 
@@ -21,8 +21,12 @@ model: $(STAMP)
 up: setup
 	$(VENV)/bin/llmserve up
 
-test: setup
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # Opt-in: the CPU-executed CUDA kernel tests built with AddressSanitizer (reports name the .cu line).
 test-kernels-asan: setup

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from batcher.config import BatchLimits
 from batcher.events import DropReason
-from llmserve.queue import is_expired
 from batcher.fair_queue import Held
 from batcher.workers import Capacity, blocks_needed
+from llmserve.queue import is_expired
 
 
 class BatchBudget:

@@ -8,7 +8,7 @@ final event (same index) again, which the gateway dedupes by index.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import redis.asyncio as aioredis
 
@@ -17,7 +17,7 @@ from llmserve.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from llmserve.v1 import inference_pb2, queue_pb2
 
 
-class DropReason(str, Enum):
+class DropReason(StrEnum):
     """Why an item leaves the queue without reaching a worker (metric label)."""
 
     DEADLINE = "deadline"

@@ -21,9 +21,9 @@ import structlog
 from redis.exceptions import NoScriptError, RedisError
 
 from batcher import metrics
+from batcher.batch_budget import BatchBudget
 from batcher.config import BatcherSettings
 from batcher.events import DropReason, final_event, write_final
-from batcher.batch_budget import BatchBudget
 from batcher.fair_queue import FairQueue, Held
 from batcher.reclaimer import ReclaimContext, Reclaimer
 from batcher.scripts import Scripts, Source, dispatch_result
@@ -263,7 +263,7 @@ class ModelBatcher:
                 self.queue.extend(batch)
             raise
         sent: list[queue_pb2.WorkItem] = []
-        for (cap, batch), reply in zip(plans, replies):
+        for (_cap, batch), reply in zip(plans, replies):
             result = dispatch_result(reply, _sources(batch))
             if result.ok:
                 self._record(batch)
@@ -340,7 +340,7 @@ class ModelBatcher:
                 for held in chunk:
                     held.touched_at = now
                 if lost:
-                    gone = self.queue.remove_if(lambda h, s=stream: h.stream == s and h.entry_id in lost)
+                    gone = self.queue.remove_if(lambda h, s=stream, ids=lost: h.stream == s and h.entry_id in ids)
                     metrics.CONFLICTS.labels(self.model).inc(len(gone))
 
 

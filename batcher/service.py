@@ -95,7 +95,7 @@ class BatcherService:
                     logger.debug("stats refresh failed", error=repr(exc))
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.settings.stats_interval_ms / 1000)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _publish_depth(self, model: str) -> None:

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]   # the queue harness lives with the tests
 
 import queue_harness as h  # noqa: E402
+
 from llmserve import keys, queue  # noqa: E402
 from llmserve.valkey import ValkeyServer  # noqa: E402
 
@@ -74,7 +75,6 @@ def _heartbeats(url: str, stop: threading.Event) -> None:
 
 def null_worker(url: str, n: int, out: mp.Queue, floor: bool = False) -> None:
     """Read (the inbox, or the raw stream for the floor), XACK at once, record latency per item."""
-    from llmserve.v1 import queue_pb2
     client = redis.Redis.from_url(url)
     stream, group = (FLOOR_STREAM, "floor") if floor else (keys.inbox_stream(h.MODEL, WORKER), keys.INBOX_GROUP)
     if not floor:

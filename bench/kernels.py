@@ -82,7 +82,6 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     src = torch.empty(n, dtype=torch.int16, device="cuda").random_()
     dst = torch.empty_like(src)
     seconds = time_graph(lambda: dst.copy_(src), calls=5)
-    del src, dst
     return 2 * n * 2 / seconds
 
 
@@ -118,7 +117,6 @@ def bench_attention(batch: int, context: int, copy_bw: float) -> dict:
     max_err = float((out_ours - out_sdpa).abs().max())
     nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 + q.numel() * 2
     plan = cuda.plan_decode(HEADS // KV_HEADS, tables.shape[1], BLOCK)
-    del q, kc, vc, k, v
     torch.cuda.empty_cache()
     gbps = nbytes / ours / 1e9
     return {"batch": batch, "context": context, "bytes": nbytes, "ours_us": ours * 1e6, "sdpa_us": sdpa * 1e6,
@@ -175,7 +173,6 @@ def bench_engine_step(copy_bw: float, batch: int = 64, context: int = 2048) -> d
     kv_bytes = 2 * config.num_layers * batch * context * config.num_kv_heads * config.head_dim * 2
     w_bytes = weight_bytes_per_step(model, batch)
     roofline = (w_bytes + kv_bytes) / copy_bw
-    del model, cache, runner
     torch.cuda.empty_cache()
     return {"batch": batch, "context": context, "weight_bytes": w_bytes, "kv_bytes": kv_bytes,
             "roofline_ms": roofline * 1e3, "eager_ms": eager * 1e3, "graph_ms": graph * 1e3,

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from llmserve.log import configure_logging
-from llmserve.server import serve
-
 from gateway.config import GatewaySettings
 from gateway.service import InferenceService
+from llmserve.log import configure_logging
+from llmserve.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,13 +25,6 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 import structlog
 
-from llmserve import keys, queue
-from llmserve.clock import now_ms
-from llmserve.errors import (DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
-                             Unavailable)
-from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import queue_pb2
-
 from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.models import ModelCatalog, ModelInfo
@@ -43,6 +36,18 @@ from gateway.streams import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
 from gateway.watch import QueueWaitExceeded, Watch
+from llmserve import keys, queue
+from llmserve.clock import now_ms
+from llmserve.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from llmserve.v1 import inference_pb2 as pb
+from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
 

@@ -28,14 +28,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import metrics
+from gateway.openai_wire import FINISH, Parsed, parse_chat, parse_completion
+from gateway.request_state import Call
 from llmserve.errors import InvalidArgument, ServiceError
 from llmserve.log import bind_request
 from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
-
-from gateway import metrics
-from gateway.request_state import Call
-from gateway.openai_wire import FINISH, Parsed, parse_chat, parse_completion
 
 logger = structlog.get_logger(__name__)
 
@@ -146,7 +145,7 @@ class OpenAIHttp:
             metrics.REQUESTS.labels(method, tenant, status_for(exc)[0].name).inc()
             return _error_response(exc, request_id or "-")
 
-    async def _sse(self, chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: "_Shape",
+    async def _sse(self, chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: _Shape,
                    parsed: Parsed, method: str, tenant: str) -> AsyncIterator[str]:
         code = "OK"
         try:

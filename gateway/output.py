@@ -13,13 +13,12 @@ from collections.abc import Sequence
 import structlog
 from tokenizers import Tokenizer
 
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.stops import StopMatcher
 from llmserve import queue
 from llmserve.errors import Unavailable
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
-
-from gateway.detokenizer import IncrementalDetokenizer
-from gateway.stops import StopMatcher
 
 logger = structlog.get_logger(__name__)
 

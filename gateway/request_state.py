@@ -56,7 +56,7 @@ class Meta:
                 "enqueued_ms": str(self.enqueued_ms), "work_key": self.work_key, "entry_id": self.entry_id}
 
     @classmethod
-    def from_redis(cls, raw: dict) -> "Meta":
+    def from_redis(cls, raw: dict) -> Meta:
         d = {k.decode(): v.decode() for k, v in raw.items()}
         return cls(d["owner"], d["model"], int(d["prompt_tokens"]), int(d["cost"]), json.loads(d["stops"]),
                    int(d["arrival_ms"]), int(d["enqueued_ms"]), d.get("work_key", ""), d.get("entry_id", ""),

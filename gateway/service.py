@@ -15,22 +15,21 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from gateway import metrics
+from gateway.config import GatewaySettings
+from gateway.flow import Flow, limits_of
+from gateway.models import ModelCatalog
+from gateway.openai_http import HttpServer, OpenAIHttp
+from gateway.quota import Quota
+from gateway.request_state import Call
+from gateway.tenants import TenantRegistry
+from gateway.validation import REQUEST_ID, check_input
+from gateway.wire import Unparsable, lenient
 from llmserve import redis_client
 from llmserve.errors import InvalidArgument, ResourceExhausted
 from llmserve.log import bind_request
 from llmserve.server import status_for, write_port_file
 from llmserve.v1 import inference_pb2 as pb
-
-from gateway import metrics
-from gateway.config import GatewaySettings
-from gateway.flow import Flow, limits_of
-from gateway.request_state import Call
-from gateway.models import ModelCatalog
-from gateway.openai_http import HttpServer, OpenAIHttp
-from gateway.quota import Quota
-from gateway.tenants import TenantRegistry
-from gateway.validation import REQUEST_ID, check_input
-from gateway.wire import Unparsable, lenient
 
 logger = structlog.get_logger(__name__)
 

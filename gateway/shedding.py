@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from gateway import metrics
 from llmserve import keys
 from llmserve.errors import Unavailable
 from llmserve.v1 import inference_pb2 as pb
-
-from gateway import metrics
 
 
 class Shedder:

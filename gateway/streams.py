@@ -18,10 +18,9 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from llmserve.errors import ResourceExhausted
-
 from gateway import metrics
 from gateway.quota import Limits, Quota
+from llmserve.errors import ResourceExhausted
 
 
 class TenantStreams:
@@ -65,7 +64,7 @@ class ViewerLease:
         self.next_renew_s = time.monotonic() + renew_every_s
 
     @classmethod
-    async def take(cls, quota: Quota, limits: Limits, request_id: str, lease_ttl_s: float) -> "ViewerLease":
+    async def take(cls, quota: Quota, limits: Limits, request_id: str, lease_ttl_s: float) -> ViewerLease:
         """A lease for a new viewer of `request_id`; RESOURCE_EXHAUSTED at the tenant's max_concurrent."""
         lease_id = f"{request_id}#viewer-{uuid.uuid4().hex[:12]}"
         decision = await quota.lease(limits, lease_id)

@@ -150,7 +150,7 @@ class TenantRegistry:
         self.path = Path(path)
         self._by_hash: dict[str, Tenant] = {}
 
-    def load(self) -> "TenantRegistry":
+    def load(self) -> TenantRegistry:
         self._by_hash = parse_tenants(self.path.read_text())
         logger.info("tenants loaded", path=str(self.path), tenants=len(self.tenant_ids()))
         return self

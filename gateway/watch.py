@@ -7,16 +7,15 @@ import time
 
 import redis.asyncio as aioredis
 
-from llmserve import keys
-from llmserve.errors import DeadlineExceeded, Unavailable
-from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import queue_pb2
-
 from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.output import OutputBuilder
 from gateway.quota import Quota
 from gateway.request_state import Call, Meta
+from llmserve import keys
+from llmserve.errors import DeadlineExceeded, Unavailable
+from llmserve.v1 import inference_pb2 as pb
+from llmserve.v1 import queue_pb2
 
 _MAX_BLOCK_MS = 500
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class WorkerAdminServicer(worker_pb2_grpc.WorkerAdminServicer):
-    def __init__(self, service: "WorkerService") -> None:
+    def __init__(self, service: WorkerService) -> None:
         self.service = service
 
     async def Drain(self, request: worker_pb2.DrainRequest,

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 import structlog
 
-from llmserve.clock import now_ms
 from gpu_worker.worker_loop import REDIS_ERRORS, Snapshot
 from llmserve import keys
+from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)

@@ -11,7 +11,6 @@ from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 
-
 def sampling_params(item: queue_pb2.WorkItem) -> SamplingParams:
     """Engine parameters of a work item; an unset seed is derived from the request (stable across workers)."""
     s = item.sampling
@@ -44,7 +43,7 @@ class Tracked:
     done: bool = False                  # final event written (or handed back)
 
     @classmethod
-    def from_item(cls, item: queue_pb2.WorkItem, entry_id: str) -> "Tracked":
+    def from_item(cls, item: queue_pb2.WorkItem, entry_id: str) -> Tracked:
         seq = Sequence(list(item.prompt_token_ids), sampling_params(item),
                        prior_output_ids=list(item.generated_token_ids), request_id=item.request_id,
                        cache_salt=item.cache_salt)

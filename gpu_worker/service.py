@@ -141,7 +141,7 @@ class WorkerService:
             await self._tasks[1]
         try:
             await asyncio.wait_for(self.heartbeat.remove(), 5.0)
-        except (*REDIS_ERRORS, asyncio.TimeoutError) as exc:
+        except (TimeoutError, *REDIS_ERRORS) as exc:
             logger.warning("could not delete the heartbeat; it expires by itself", error=repr(exc))
         if self.stop_event is not None:
             self.stop_event.set()

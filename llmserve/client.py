@@ -46,7 +46,7 @@ class Usage:
     total_ms: float
 
     @classmethod
-    def from_pb(cls, u: pb.Usage) -> "Usage":
+    def from_pb(cls, u: pb.Usage) -> Usage:
         return cls(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.queue_ms, u.ttft_ms, u.total_ms)
 
 
@@ -213,7 +213,7 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -304,7 +304,7 @@ class AsyncClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -19,8 +19,16 @@ from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
 from llmserve.clock import now_ms
-from llmserve.errors import (DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
-                             ServiceError, Unauthenticated, Unavailable)
+from llmserve.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    ServiceError,
+    Unauthenticated,
+    Unavailable,
+)
 from llmserve.v1 import inference_pb2, queue_pb2
 
 ITEM_FIELD = "item"

@@ -92,7 +92,7 @@ class ServiceProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "ServiceProcess":
+    def start(self) -> ServiceProcess:
         self.port_path.unlink(missing_ok=True)
         self._port = None
         log = open(self.log_path, "ab")
@@ -259,7 +259,7 @@ class Stack:
             time.sleep(0.05)
         return f"http://127.0.0.1:{int(path.read_text())}"
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         """Start everything and return once every service reports SERVING."""
         deadline = time.monotonic() + self.config.start_timeout_s
         try:

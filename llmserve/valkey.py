@@ -64,7 +64,7 @@ class ValkeyServer:
             cmd += ["--requirepass", self.password]
         return cmd
 
-    def start(self, timeout_s: float = 10.0, attempts: int = 5) -> "ValkeyServer":
+    def start(self, timeout_s: float = 10.0, attempts: int = 5) -> ValkeyServer:
         """Start and wait for PING. A port picked here can be taken by another process before
         valkey binds it: then (the server exits, or a PING reaches a server that is not ours)
         another free port is tried."""
@@ -77,7 +77,7 @@ class ValkeyServer:
                 self.port = free_port()
         raise AssertionError("unreachable")
 
-    def _start_once(self, timeout_s: float) -> "ValkeyServer":
+    def _start_once(self, timeout_s: float) -> ValkeyServer:
         self.process = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None)
         deadline = time.monotonic() + timeout_s

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import redis
 
-from pathlib import Path
-
 from llmserve import model_store
 from llmserve.valkey import ValkeyServer
-
 
 # Test tenants: "dev" (key "dev-key"), "fuzz", "other", "restricted"; see the file's header.
 TEST_TENANTS = Path(__file__).resolve().parent / "data" / "tenants.test.yaml"

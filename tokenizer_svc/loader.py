@@ -12,9 +12,9 @@ model once and ships it to its pool processes cheaply.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -23,7 +23,6 @@ from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
 from tokenizer_svc import chat_template
 from tokenizer_svc.gguf_vocab import build_tokenizer, read_vocab
 from tokenizer_svc.literal import LiteralSpecials, encode_ids
-
 
 
 @dataclass

@@ -18,7 +18,7 @@ from llmserve import model_store
 from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc
-from tokenizer_svc import metrics, protocol
+from tokenizer_svc import metrics
 from tokenizer_svc.cache import LRUCache
 from tokenizer_svc.config import TokenizerSettings
 from tokenizer_svc.loader import ModelTokenizer, load_tokenizer
@@ -130,7 +130,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             try:
                 ids = await self.pool.submit(op.name, model, op.args, op.cost, deadline)
             except InvalidArgument as exc:  # the chat template refused the messages
-                raise _field_error(prefix, exc) if prefix else exc
+                raise (_field_error(prefix, exc) if prefix else exc) from None
             self._remember(key, ids, op.cost)
         metrics.REQUEST_LATENCY.labels(model=model, op=op.name).observe(time.perf_counter() - started)
         metrics.TOKENS.labels(model=model).inc(len(ids))

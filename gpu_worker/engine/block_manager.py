@@ -13,8 +13,9 @@ Block states:
 
 Automatic prefix caching: once a full block's KV is computed it is registered under its
 chain hash (`llmserve/prefix_hash.py`); a later sequence whose context starts with the same blocks
-under the same cache salt (tenant or cache_group) takes them instead of recomputing. Unreferenced cached blocks are evicted least recently
-used first, and a sequence frees its blocks tail-first so its tail is evicted before its head.
+under the same cache salt (tenant or cache_group) takes them instead of recomputing. Unreferenced
+cached blocks are evicted least recently used first, and a sequence frees its blocks tail-first so
+its tail is evicted before its head.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class LLMEngine:
         self.decode_graphs = None  # a DecodeGraphRunner once capture_decode_graphs() ran (CUDA only)
 
     @classmethod
-    def create(cls, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype | None = None) -> "LLMEngine":
+    def create(cls, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype | None = None) -> LLMEngine:
         """Allocate the KV cache for `model` and build the engine."""
         param = next(model.parameters())
         cache = KVCache.allocate(model.config, config.num_blocks, config.block_size,

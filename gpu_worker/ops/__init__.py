@@ -26,7 +26,7 @@ def get_ops(device: str | torch.device) -> ModuleType:
 def _cupy_available() -> bool:
     try:
         import cupy  # noqa: F401
-    except Exception:  # ImportError, or a CUDA runtime mismatch raised at import
+    except Exception:  # noqa: BLE001 - ImportError, or a CUDA runtime mismatch raised at import
         return False
     return True
 

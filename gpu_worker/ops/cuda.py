@@ -175,7 +175,7 @@ def unavailable_reason() -> str | None:
     try:
         cp = _cp()
         cp.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # ImportError, or a CUDA runtime mismatch raised by CuPy
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a CUDA runtime mismatch raised by CuPy
         return f"CuPy unusable: {exc!r}"
     return None
 

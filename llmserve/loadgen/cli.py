@@ -109,7 +109,7 @@ async def _run_level(args: argparse.Namespace, mode: str, load: float, index: in
 def _report(args: argparse.Namespace, mode: str, levels: list[dict]) -> dict:
     return {
         "mode": mode,
-        "finished_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "finished_at": dt.datetime.now(dt.UTC).isoformat(),
         "config": {"target": args.target, "tenants": len(args.api_keys or [None]), "requests": args.requests,
                    "warmup": args.warmup, "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "model": args.model, "temperature": args.temperature,

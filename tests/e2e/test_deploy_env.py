@@ -12,9 +12,9 @@ import os
 import time
 
 import grpc
+import kustomize_render as kustomize
 import pytest
 
-import kustomize_render as kustomize
 from llmserve import keys
 from llmserve.stack import REPO_ROOT, ServiceProcess
 from llmserve.v1 import inference_pb2 as pb

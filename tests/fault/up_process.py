@@ -38,7 +38,7 @@ class UpProcess:
 
     @classmethod
     def start(cls, log_dir: Path, workers: int, tenants: Path, timeout_s: float = 300.0,
-              extra_env: dict[str, str] | None = None) -> "UpProcess":
+              extra_env: dict[str, str] | None = None) -> UpProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         out, err = open(log_dir / "up.stdout", "wb"), open(log_dir / "up.stderr", "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
@@ -98,7 +98,7 @@ class UpProcess:
             assert self.process.poll() is None, f"llmserve up exited: {self.stderr_text()[-2000:]}"
             time.sleep(0.2)
 
-    def watch_fleet(self, count: int) -> "FleetWatch":
+    def watch_fleet(self, count: int) -> FleetWatch:
         return FleetWatch(self, count)
 
     def signal(self, sig: int) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import queue_harness as h
 from prometheus_client import REGISTRY
 
-import queue_harness as h
 from batcher.config import BatcherSettings
 from batcher.service import BatcherService
 from llmserve import keys

@@ -4,7 +4,6 @@ and duplicate nothing. The test plays the gateway and the worker through batcher
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 import queue_harness as h
+
 from llmserve import keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,7 +78,7 @@ def test_kill_9_mid_stream_every_item_dispatched_exactly_once(redis_url, clean_r
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(timeout=10)
         held_by_dead = consumers(clean_redis)["b1"]
-        for n in range(n, 3000, 50):
+        for n in range(n, 3000, 50):  # noqa: B020 - continue counting from where the loop above stopped
             h.enqueue(clean_redis, *items[n:n + 50])
             drain_inbox()
             time.sleep(0.01)

@@ -7,10 +7,10 @@ import asyncio
 import collections
 
 import pytest
-
 import queue_harness as h
-from llmserve import keys
 from test_batcher_batching import collect, ids, start_batcher, until  # noqa: F401
+
+from llmserve import keys
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -6,6 +6,8 @@ import asyncio
 
 import grpc
 import pytest
+from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
+from test_gateway_service import TENANTS
 
 from gateway.config import GatewaySettings
 from gateway.service import InferenceService
@@ -13,9 +15,6 @@ from llmserve import redis_client
 from llmserve.client import AsyncClient, Client, LLMServeError
 from llmserve.server import start_server
 from tokenizer_svc.loader import load_tokenizer
-
-from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
-from test_gateway_service import TENANTS
 
 
 class Env:

@@ -11,6 +11,7 @@ import uuid
 
 import grpc
 import pytest
+from gateway_harness import ANSWER, MODEL, ScriptedWorker
 
 from gateway.tenants import hash_key
 from llmserve import redis_client
@@ -19,8 +20,6 @@ from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 from llmserve.valkey import free_port
 from tokenizer_svc.loader import load_tokenizer
-
-from gateway_harness import ANSWER, MODEL, ScriptedWorker
 
 RATE, BURST, MAX_CONCURRENT = 5, 10, 4
 TENANTS = f"""
@@ -100,7 +99,7 @@ async def test_64_callers_3_gateways_hold_rate_and_concurrency(cluster):
     assert 1 <= worker.peak <= MAX_CONCURRENT                             # seen by the worker side
     assert refused.get("requests_per_second", 0) > 0 and refused.get("max_concurrent", 0) > 0
     scraped = "".join(await asyncio.gather(*(asyncio.to_thread(scrape, gw.metrics_port) for gw in gateways)))
-    assert f'llmserve_gateway_rejections_total{{reason="requests_per_second",tenant="shared"}}' in scraped
+    assert 'llmserve_gateway_rejections_total{reason="requests_per_second",tenant="shared"}' in scraped
     assert 'llmserve_gateway_requests_total{code="OK",method="Complete",tenant="shared"}' in scraped
     assert "llmserve_gateway_ttft_seconds_bucket" in scraped and "llmserve_gateway_e2e_seconds_count" in scraped
     assert "shared-key" not in "".join(gw.log_path.read_text() for gw in gateways)   # keys never logged

@@ -7,6 +7,7 @@ import time
 
 import grpc
 import pytest
+from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
 
 from gateway.config import GatewaySettings
 from gateway.quota import tenant_keys
@@ -17,8 +18,6 @@ from llmserve.server import start_server
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 from tokenizer_svc.loader import load_tokenizer
-
-from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
 
 TENANTS = f"""
 tenants:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gpu_worker.engine.block_manager import BlockManager
-from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes, chain_hash, root_hash
 from gpu_worker.engine.sequence import SamplingParams, Sequence
+from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes, chain_hash, root_hash
 
 BS = 4
 

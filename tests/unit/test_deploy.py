@@ -29,11 +29,11 @@ from pathlib import Path
 import grpc
 import jsonschema
 import kubernetes_validate
+import kustomize_render as kustomize
 import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-import kustomize_render as kustomize
 from llmserve import keys, model_store
 from llmserve.settings import CommonSettings
 
@@ -180,7 +180,7 @@ def test_overlays_set_namespace_and_labels_everywhere():
             assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == name
             assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "llmserve"
     # Selectors carry the common labels too, and still match their pod templates.
-    for name, rendered in RENDERED.items():
+    for rendered in RENDERED.values():
         deployments = by_kind(rendered, "Deployment")
         assert set(deployments) == {"gateway", "tokenizer", "batcher", "worker"}
         for dep in deployments.values():
@@ -457,7 +457,7 @@ def test_prod_gateway_terminates_tls_from_a_tls_secret_and_turns_reflection_off(
 
 
 def test_only_the_gateway_is_reachable_from_outside():
-    for name, rendered in RENDERED.items():
+    for rendered in RENDERED.values():
         policies = by_kind(rendered, "NetworkPolicy").values()
         assert any(p["spec"]["podSelector"] == {} and not p["spec"].get("ingress") for p in policies), "default deny"
         for policy in policies:

@@ -2,8 +2,8 @@
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 import redis.exceptions
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import errors
 from llmserve.server import start_server

@@ -2,10 +2,9 @@
 
 import pytest
 
+from gateway.tenants import TenantRegistry, TenantsError, hash_key, parse_tenants
 from llmserve.errors import Unauthenticated
 from llmserve.v1 import inference_pb2 as pb
-
-from gateway.tenants import TenantRegistry, TenantsError, hash_key, parse_tenants
 
 DOC = f"""
 tenants:

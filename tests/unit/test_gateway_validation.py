@@ -3,11 +3,10 @@
 import grpc
 import pytest
 
+from gateway.validation import RequestLimits, check_input, resolve_sampling, validate_request
+from gateway.wire import SCHEMAS, Unparsable, lenient, locate_bad_utf8
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
-
-from gateway.validation import RequestLimits, check_input, resolve_sampling, validate_request
-from gateway.wire import Unparsable, lenient, locate_bad_utf8, SCHEMAS
 
 LIMITS = RequestLimits(max_prompt_bytes=100, max_messages=3, max_stop_strings=8, max_stop_chars=5,
                        max_request_id_chars=10, default_max_new_tokens=256)

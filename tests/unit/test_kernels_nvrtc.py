@@ -10,7 +10,6 @@ import ctypes
 import glob
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 

@@ -12,8 +12,14 @@ import pytest
 from llmserve.loadgen import main, report
 from llmserve.loadgen.runner import RunSettings, build_request, run_closed, run_open
 from llmserve.loadgen.stats import RequestResult, distribution, percentile, summarize
-from llmserve.loadgen.workload import (DistError, LengthDist, WorkloadConfig, build_workload, parse_dist,
-                                       poisson_arrivals)
+from llmserve.loadgen.workload import (
+    DistError,
+    LengthDist,
+    WorkloadConfig,
+    build_workload,
+    parse_dist,
+    poisson_arrivals,
+)
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 

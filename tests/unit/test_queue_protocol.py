@@ -11,7 +11,10 @@ def test_entries_round_trip():
     item = queue_pb2.WorkItem(request_id="r", prompt_token_ids=[1, 2])
     batch = queue_pb2.Batch(batch_id="b", items=[item])
     event = queue_pb2.TokenEvent(request_id="r", index=3, token_ids=[9])
-    as_read = lambda entry: {k.encode(): v for k, v in entry.items()}  # redis-py replies with bytes keys
+
+    def as_read(entry: dict) -> dict:
+        return {k.encode(): v for k, v in entry.items()}   # redis-py replies with bytes keys
+
     assert queue.decode_item(as_read(queue.item_entry(item))) == item
     assert queue.decode_batch(as_read(queue.batch_entry(batch))) == batch
     assert queue.decode_event(as_read(queue.event_entry(event))) == event

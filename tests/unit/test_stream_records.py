@@ -24,9 +24,10 @@ def test_mismatches_name_each_problem():
     base = [record("a"), record("b"), record("c"), record("d"), record("e")]
     got = [record("a"), record("b", error="UNAVAILABLE"), record("c", ids=(5, 6, 7, 9)),
            record("d", indices=(0, 1, 2)), record("e", finish="cancelled")]
-    assert mismatches(got, base) == ["b: failed UNAVAILABLE", "c: output differs from the fault-free run (4 vs 4 tokens, finish length, text 'abcd')",
-                                    
-                                     "d: indices not contiguous [0, 1, 2]", "e: finish_reason cancelled"]
+    assert mismatches(got, base) == [
+        "b: failed UNAVAILABLE",
+        "c: output differs from the fault-free run (4 vs 4 tokens, finish length, text 'abcd')",
+        "d: indices not contiguous [0, 1, 2]", "e: finish_reason cancelled"]
     assert mismatches(base, base) == []
 
 

@@ -92,7 +92,7 @@ def test_raw_text_special_tokens_are_text_unless_allowed(smollm2):
 def test_model_tokenizer_still_pickles_after_building_its_literal_tokenizer(smollm2):
     import pickle
 
-    smollm2.literal   # built and cached on the object
+    assert smollm2.literal is not None   # built and cached on the object
     again = pickle.loads(pickle.dumps(smollm2))
     assert again.encode_chat([{"role": "user", "content": INJECTION}]) == \
         smollm2.encode_chat([{"role": "user", "content": INJECTION}])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import pickle
 import unicodedata
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -97,7 +97,7 @@ def _match_at(text: str, i: int, n: int) -> int:
     return k - 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def _reference_data(path: str) -> tuple[dict[str, int], dict[tuple[str, str], int], list[str]]:
     fields = gguf_fields(Path(path))
     tokens = fields["tokenizer.ggml.tokens"]

@@ -14,7 +14,7 @@ from tokenizer_svc.loader import load_tokenizer
 from tokenizer_svc.segments import SegmentEncoder
 from tokenizer_svc.validation import Limits, batch_size, decode_op, encode_op
 
-I, B = protocol.LANE_INTERACTIVE, protocol.LANE_BULK
+I, B = protocol.LANE_INTERACTIVE, protocol.LANE_BULK  # noqa: E741 - short lane names keep the tables readable
 
 
 def make_load(interactive: int = 0, bulk: int = 0, bulk_bytes: int = 0) -> ProcessLoad:
