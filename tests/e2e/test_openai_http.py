@@ -5,7 +5,6 @@ class, one quota across both protocols, and a disconnect that cancels the reques
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -13,11 +12,12 @@ import grpc
 import openai
 import pytest
 import redis
+from test_gateway_e2e import running_sequences, wait_until
 
 from llmserve import keys, queue
 from llmserve.loadgen.streams import PROMPTS
 from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import inference_pb2_grpc, queue_pb2
+from llmserve.v1 import inference_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -137,20 +137,6 @@ def test_liveness_and_readiness(stack):
     for path in ("/health", "/ready"):
         with urllib.request.urlopen(stack.http_url + path, timeout=10) as reply:
             assert reply.status == 200 and json.load(reply)["status"] in ("ok", "serving")
-
-
-def wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def running_sequences(client: redis.Redis, model_id: str) -> int:
-    beats = [queue_pb2.WorkerHeartbeat.FromString(v) for v in client.hgetall(keys.workers_hash(model_id)).values()]
-    return sum(b.running + b.waiting for b in beats)
 
 
 def test_ignore_eos_generates_every_requested_token(client):
