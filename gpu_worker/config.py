@@ -17,9 +17,10 @@ class WorkerSettings(CommonSettings):
     model: str = setting("smollm2-135m", "model alias, GGUF file or Hugging Face directory")
     device: str = setting("auto", "auto, cpu or cuda (auto: cuda when a GPU and CuPy are there)")
     dtype: str = setting("auto", "compute dtype: auto, float32, bfloat16 or float16")
-    # int4 by default: the fastest format at 1-16 sequences on a 2-core AVX2 CPU, perplexity equal to
-    # fp32's and the engine's determinism tests green (bench/quality.py, README "CPU engine")
-    quantization: str = setting("int4", "CPU weight format of the GEMMs: none (fp32), int8 (per-channel) "
+    # fp32 by default: on a 2-core AVX2 CPU int4 decodes 2.1x faster at 1 sequence and 1.5x at 4, but
+    # torch's int4/int8 kernels are compute-bound from ~16 rows on (0.75x at 16-32 sequences, prefill
+    # 0.5x); a batching server is there for the loaded case (bench/engine.py, README "CPU engine")
+    quantization: str = setting("none", "CPU weight format of the GEMMs: none (fp32), int8 (per-channel) "
                                         "or int4 (groups of 32, the GGUF Q4_1 layout); weight-only")
     worker_id: str = setting("", "id in the workers hash and inbox stream name (default host-pid)")
     block_size: int = setting(16, "tokens per KV-cache block")
