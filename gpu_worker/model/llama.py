@@ -176,18 +176,18 @@ class LlamaModel(nn.Module):
         return linear(h.to(self.lm_head_dtype), self.lm_head).float()  # [num_seqs, V]
 
     @torch.no_grad()
-    def prepack_for_cpu(self, quantization: str = "none", quantize_head: bool = False) -> bool:
+    def prepack_for_cpu(self, quantization: str = "none") -> bool:
         """Swap every GEMM weight for its CPU form: oneDNN-prepacked fp32/bf16 (ops/packed_linear.py)
         or, with `quantization` int8/int4, a weight-only quantized one (ops/quantized_linear.py).
-        The vocab head stays prepacked fp32 unless `quantize_head`. The model is inference-only
-        afterwards (no load_weights, no .to()). False where prepacking is unsupported."""
+        The vocab head stays prepacked fp32: bf16 logits would round near-ties together. The model
+        is inference-only afterwards (no load_weights, no .to()). False where prepacking is unsupported."""
         if self.device.type != "cpu" or not packed_linear.available(self.dtype):
             return False
         for layer in self.layers:
             for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
                 _replace(layer, name, _cpu_weight(getattr(layer, name), quantization))
         # the embedding lookup needs the plain table, so a tied head gets its own copy
-        _replace(self, "lm_head", _cpu_weight(self.lm_head, quantization if quantize_head else "none"))
+        _replace(self, "lm_head", _cpu_weight(self.lm_head, "none"))
         self.share_lm_head = False
         return True
 
