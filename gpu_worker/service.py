@@ -49,7 +49,7 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     device = select_device(settings.device)
-    model = load_model(settings.model, device, _DTYPES.get(settings.dtype))
+    model = load_model(settings.model, device, _DTYPES.get(settings.dtype), quantization=settings.quantization)
     dtype = next(model.parameters()).dtype
     budget = settings.kv_cache_mb * 2**20
     num_blocks = settings.num_blocks or num_blocks_for_budget(model.config, settings.block_size, dtype, budget)

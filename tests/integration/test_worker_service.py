@@ -243,3 +243,15 @@ def test_sigterm_drain_hands_back_and_other_worker_continues(workers, model_dir,
         assert completion(evs) == want
         assert [e.index for e in evs] == list(range(len(evs)))   # one token per event, no gap, no repeat
         assert {e.worker_id for e in evs} == {"wa", "wb"}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_worker_setting_quantization_reaches_the_model(model_dir, quantization):
+    from gpu_worker.config import WorkerSettings
+    from gpu_worker.ops.quantized_linear import FORMATS
+    from gpu_worker.service import build_engine
+
+    settings = WorkerSettings.load(["--model", str(model_dir), "--device", "cpu", "--quantization", quantization,
+                                    "--num-blocks", "16"], env={})
+    layer = build_engine(settings).model.layers[0]
+    assert isinstance(layer.qkv_weight, FORMATS[quantization])
