@@ -40,12 +40,12 @@ async def test_drain_handoff_multi_runs_on_the_cluster(redis_url, clean_redis):
     """gpu_worker/handoff.py: one MULTI puts items back on two priorities' work streams and acks
     the inbox entry they came in (one slot: the model's tag)."""
     from gpu_worker.handoff import hand_back
-    from llmserve import keys, redis_client
+    from llmserve import keys, queue, redis_client
     from llmserve.v1 import inference_pb2, queue_pb2
 
     inbox = keys.inbox_stream("m", "w1")
     clean_redis.xgroup_create(inbox, keys.INBOX_GROUP, id="0", mkstream=True)
-    clean_redis.xadd(inbox, {"batch": b"b"})
+    clean_redis.xadd(inbox, {queue.BATCH_FIELD: b"b"})
     [[_, [(entry, _)]]] = clean_redis.xreadgroup(keys.INBOX_GROUP, "w1", {inbox: ">"}, count=1)
     items = [queue_pb2.WorkItem(request_id=f"r{p}", priority=p)
              for p in (inference_pb2.PRIORITY_HIGH, inference_pb2.PRIORITY_LOW)]
@@ -56,5 +56,5 @@ async def test_drain_handoff_multi_runs_on_the_cluster(redis_url, clean_redis):
         await client.aclose()
     for item in items:
         [(_, fields)] = clean_redis.xrange(keys.work_stream("m", item.priority))
-        assert queue_pb2.WorkItem.FromString(fields[b"item"]).request_id == item.request_id
+        assert queue.decode_item(fields).request_id == item.request_id
     assert clean_redis.xlen(inbox) == 0 and clean_redis.xpending(inbox, keys.INBOX_GROUP)["pending"] == 0

@@ -17,7 +17,7 @@ import time
 import pytest
 import redis
 
-from llmserve import keys, model_store
+from llmserve import keys, model_store, queue
 from llmserve.loadgen.streams import PROMPTS, StreamLoad, mismatches, stall_s
 from tests.conftest import TEST_TENANTS
 from tests.fault.up_process import UpProcess
@@ -148,7 +148,7 @@ def test_undecodable_inbox_entry_is_dropped(up, load, baseline):
     client = redis.Redis.from_url(up.redis_url)
     inbox = keys.inbox_stream(model_store.model_id(model_store.DEFAULT_MODEL), victim)
     try:
-        run_fault(up, load, baseline, "poison", lambda: client.xadd(inbox, {"batch": b"\xff\x00 not a Batch"}))
+        run_fault(up, load, baseline, "poison", lambda: client.xadd(inbox, {queue.BATCH_FIELD: b"\xff\x00 not a Batch"}))
     finally:
         client.close()
     assert up.worker_pids()[victim] == pid          # dropped, not crashed

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY
 
 from batcher.config import BatcherSettings
 from batcher.service import BatcherService
-from llmserve import keys
+from llmserve import keys, queue
 from llmserve.prefix_hash import block_hashes
 from llmserve.v1 import inference_pb2
 
@@ -225,7 +225,7 @@ async def test_garbage_heartbeat_and_work_entry_do_not_stop_batching(start_batch
     clean_redis.hset(keys.workers_hash(h.MODEL), "broken", b"\xff\xff not a heartbeat")
     h.heartbeat(clean_redis, "w1")
     await start_batcher(max_batch=2, max_wait_ms=10.0)
-    clean_redis.xadd(keys.work_stream(h.MODEL, inference_pb2.PRIORITY_NORMAL), {"item": b"\xff\xff garbage"})
+    clean_redis.xadd(keys.work_stream(h.MODEL, inference_pb2.PRIORITY_NORMAL), {queue.ITEM_FIELD: b"\xff\xff garbage"})
     h.enqueue(clean_redis, h.make_item("r0"), h.make_item("r1"))
     assert ids(await collect(clean_redis, "w1", 2)) == [["r0", "r1"]]
     await until(lambda: h.pending_work(clean_redis) == 0, what="garbage entry acked")

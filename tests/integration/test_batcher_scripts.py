@@ -8,7 +8,7 @@ import pytest
 
 from batcher.events import DropReason, final_event
 from batcher.scripts import Scripts, Source
-from llmserve import keys, redis_client
+from llmserve import keys, queue, redis_client
 from llmserve.v1 import inference_pb2, queue_pb2
 
 STREAM, INBOX, INBOXES = keys.work_stream("m", 2), keys.inbox_stream("m", "w1"), keys.inboxes_set("m")
@@ -26,7 +26,7 @@ async def scripts(redis_url, clean_redis):
 def read_two(clean_redis, consumer: str) -> list[str]:
     clean_redis.xgroup_create(STREAM, keys.WORK_GROUP, id="0", mkstream=True)
     for i in range(2):
-        clean_redis.xadd(STREAM, {"item": f"item{i}".encode()})
+        clean_redis.xadd(STREAM, {queue.ITEM_FIELD: f"item{i}".encode()})
     reply = clean_redis.xreadgroup(keys.WORK_GROUP, consumer, {STREAM: ">"}, count=10)
     return [entry_id.decode() for entry_id, _ in reply[0][1]]
 
@@ -45,7 +45,7 @@ async def test_dispatch_by_the_owner_moves_items_atomically(scripts, clean_redis
     result = await scripts.dispatch(INBOX, INBOXES, "w1", keys.INBOX_GROUP, "a",
                                     [Source(STREAM, keys.WORK_GROUP, ids)], b"batch")
     assert result.ok and result.inbox_entry
-    assert [fields for _, fields in clean_redis.xrange(INBOX)] == [{b"batch": b"batch"}]
+    assert [fields for _, fields in clean_redis.xrange(INBOX)] == [{queue.BATCH_FIELD.encode(): b"batch"}]
     assert clean_redis.xinfo_groups(INBOX)[0]["name"] == keys.INBOX_GROUP.encode()  # created from id 0
     assert clean_redis.smembers(INBOXES) == {b"w1"}
     assert clean_redis.xlen(STREAM) == 0 and clean_redis.xpending(STREAM, keys.WORK_GROUP)["pending"] == 0

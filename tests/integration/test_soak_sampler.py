@@ -7,6 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+from llmserve import queue
 from llmserve.loadgen.soak import open_fds, rss_bytes, stream_lengths, take_sample
 
 
@@ -19,8 +20,8 @@ def test_sample_counts_request_keys_and_missing_ttls(clean_redis):
         clean_redis.set("llmserve:{r:acme:a}:meta", "x", ex=60)
         clean_redis.xadd("llmserve:{r:acme:a}:events", {"e": "1"})          # no TTL: a leak
         clean_redis.set("llmserve:{t:acme}:rate", "1")                      # not per-request
-        clean_redis.xadd("llmserve:{m:m1}:work:normal", {"item": "x"})
-        clean_redis.xadd("llmserve:{m:m1}:inbox:w0", {"batch": "x"})
+        clean_redis.xadd("llmserve:{m:m1}:work:normal", {queue.ITEM_FIELD: "x"})
+        clean_redis.xadd("llmserve:{m:m1}:inbox:w0", {queue.BATCH_FIELD: "x"})
         clean_redis.xdel("llmserve:{m:m1}:inbox:w0", clean_redis.xrange("llmserve:{m:m1}:inbox:w0")[0][0])
         clean_redis.hset("llmserve:{m:m1}:workers", "w0", "hb")
         s = take_sample(SimpleNamespace(services=stack), clean_redis, 1.5)
