@@ -3,7 +3,8 @@
 The event goes to the request's own stream (its own `{r:...}` hash tag), so it
 cannot share a script with the work-stream ack. It is written first and the
 item acked after: a crash in between re-delivers the item and writes the same
-final event (same index) again, which the gateway dedupes by index.
+final event (same index) again, which the gateway dedupes by index. The XADD and
+the stream's TTL are one script: the stream never exists without its TTL.
 """
 
 from __future__ import annotations
@@ -44,12 +45,19 @@ def final_event(item: queue_pb2.WorkItem, reason: DropReason, detail: str = "") 
     return queue.final_event(item, error)
 
 
+# KEYS: [1] events stream  ARGV: [1] ttl s  [2] event bytes
+_XADD_EXPIRING = """
+redis.call('XADD', KEYS[1], '*', '%(event_field)s', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+""" % {"event_field": queue.EVENT_FIELD}
+
+
 async def write_final(redis: aioredis.Redis, items: list[tuple[queue_pb2.WorkItem, queue_pb2.TokenEvent]],
                       ttl_s: int) -> None:
     """XADD each item's final event to its events stream and refresh the stream's TTL."""
     pipe = redis.pipeline(transaction=False)
     for item, event in items:
         if item.events_key:
-            pipe.xadd(item.events_key, queue.event_entry(event))
-            pipe.expire(item.events_key, ttl_s)
+            pipe.eval(_XADD_EXPIRING, 1, item.events_key, ttl_s, event.SerializeToString())
     await pipe.execute()

@@ -51,6 +51,16 @@ from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
 
+# KEYS: [1] request meta  [2] events stream  [3] cancel key  ARGV: [1] owner  [2] ttl s
+# Returns 1 when claimed, 0 when the request_id is taken. One script: the meta never exists
+# without its TTL, and leftovers of an expired earlier request with this id cannot leak into this one.
+_CLAIM = """
+if redis.call('HSETNX', KEYS[1], 'owner', ARGV[1]) == 0 then return 0 end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('DEL', KEYS[2], KEYS[3])
+return 1
+"""
+
 
 
 def limits_of(tenant: Tenant) -> Limits:
@@ -149,16 +159,11 @@ class Flow:
 
     async def _claim(self, call: Call, meta: Meta) -> bool:
         """Make this gateway the request's creator; False when the same request_id was claimed first."""
-        key = keys.request_meta(call.tenant.id, call.request_id)
-        if not await self.redis.hsetnx(key, "owner", call.tenant.id):
-            return False
-        async with self.redis.pipeline(transaction=False) as pipe:
-            # Leftovers of an expired earlier request with this id must not leak into this one.
-            pipe.delete(keys.events_stream(call.tenant.id, call.request_id), keys.cancel_key(call.tenant.id,
-                                                                                             call.request_id))
-            pipe.expire(key, self.settings.events_ttl_s)
-            await pipe.execute()
-        return True
+        tenant, request_id = call.tenant.id, call.request_id
+        claimed = await self.redis.eval(_CLAIM, 3, keys.request_meta(tenant, request_id),
+                                        keys.events_stream(tenant, request_id), keys.cancel_key(tenant, request_id),
+                                        tenant, self.settings.events_ttl_s)
+        return bool(claimed)
 
     def _work_item(self, call: Call, meta: Meta, prompt_ids: list[int], sampling: queue_pb2.ResolvedSampling,
                    priority: int) -> queue_pb2.WorkItem:

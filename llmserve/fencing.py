@@ -28,6 +28,14 @@ from llmserve.v1 import queue_pb2
 
 ISSUED, FENCE = "issued", "fence"
 
+# KEYS: [1] epoch hash  ARGV: [1] ttl s. Returns the new epoch. One script, so the epoch key
+# never exists without its TTL (a reader between the two commands would see a key that lives forever).
+_ISSUE = """
+local epoch = redis.call('HINCRBY', KEYS[1], 'issued', 1)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return epoch
+"""
+
 # KEYS: [1] epoch hash  ARGV: [1] epoch  [2] ttl s
 _RAISE = """
 local fence = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
@@ -62,10 +70,9 @@ async def issue(redis: aioredis.Redis, items: Sequence[queue_pb2.WorkItem], ttl_
         return
     pipe = redis.pipeline(transaction=False)
     for item in items:
-        pipe.hincrby(epoch_key(item), ISSUED, 1)
-        pipe.expire(epoch_key(item), ttl_s)
+        pipe.eval(_ISSUE, 1, epoch_key(item), ttl_s)
     replies = await pipe.execute()
-    for item, epoch in zip(items, replies[::2]):
+    for item, epoch in zip(items, replies):
         item.dispatch_epoch = int(epoch)
 
 
