@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmserve/v1/inference.proto\x12\x0bllmserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb0\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eos\"\xc8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\'\n\x08priority\x18\x06 \x01(\x0e\x32\x15.llmserve.v1.Priority\"\x8c\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\"\xab\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05index\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.llmserve.v1.Usage\"\x9c\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.llmserve.v1.Usage\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"Z\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"/\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xfa\x02\n\tInference\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.CompleteResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.llmserve.v1.CancelRequest\x1a\x1b.llmserve.v1.CancelResponse\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmserve/v1/inference.proto\x12\x0bllmserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x05\x88\x01\x01\x12\x17\n\nignore_eos\x18\x08 \x01(\x08H\x06\x88\x01\x01\x12\x34\n\x0fresponse_format\x18\t \x01(\x0b\x32\x1b.llmserve.v1.ResponseFormatB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x11\n\x0f_max_new_tokensB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eos\"\x82\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x17.llmserve.v1.ChoiceListH\x00\x12\x15\n\x0bjson_object\x18\x04 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc8\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.llmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\'\n\x08priority\x18\x06 \x01(\x0e\x32\x15.llmserve.v1.Priority\"\x8c\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\"\xab\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\r\n\x05index\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.llmserve.v1.Usage\"\x9c\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.llmserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.llmserve.v1.Usage\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x10\n\x0e\x43\x61ncelResponse\"Z\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x13\n\x11ListModelsRequest\"/\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.llmserve.v1.ModelInfo*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x10\n\x0cPRIORITY_LOW\x10\x01\x12\x13\n\x0fPRIORITY_NORMAL\x10\x02\x12\x11\n\rPRIORITY_HIGH\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\xfa\x02\n\tInference\x12I\n\x08Generate\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.GenerateResponse0\x01\x12G\n\x08\x43omplete\x12\x1c.llmserve.v1.GenerateRequest\x1a\x1d.llmserve.v1.CompleteResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.llmserve.v1.CancelRequest\x1a\x1b.llmserve.v1.CancelResponse\x12G\n\x08Tokenize\x12\x1c.llmserve.v1.TokenizeRequest\x1a\x1d.llmserve.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.llmserve.v1.ListModelsRequest\x1a\x1f.llmserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=1394
-  _globals['_PRIORITY']._serialized_end=1488
-  _globals['_FINISHREASON']._serialized_start=1490
-  _globals['_FINISHREASON']._serialized_end=1614
+  _globals['_PRIORITY']._serialized_start=1612
+  _globals['_PRIORITY']._serialized_end=1706
+  _globals['_FINISHREASON']._serialized_start=1708
+  _globals['_FINISHREASON']._serialized_end=1832
   _globals['_CHATMESSAGE']._serialized_start=44
   _globals['_CHATMESSAGE']._serialized_end=88
   _globals['_SAMPLINGPARAMS']._serialized_start=91
-  _globals['_SAMPLINGPARAMS']._serialized_end=395
-  _globals['_GENERATEREQUEST']._serialized_start=398
-  _globals['_GENERATEREQUEST']._serialized_end=598
-  _globals['_USAGE']._serialized_start=601
-  _globals['_USAGE']._serialized_end=741
-  _globals['_GENERATERESPONSE']._serialized_start=744
-  _globals['_GENERATERESPONSE']._serialized_end=915
-  _globals['_COMPLETERESPONSE']._serialized_start=918
-  _globals['_COMPLETERESPONSE']._serialized_end=1074
-  _globals['_CANCELREQUEST']._serialized_start=1076
-  _globals['_CANCELREQUEST']._serialized_end=1111
-  _globals['_CANCELRESPONSE']._serialized_start=1113
-  _globals['_CANCELRESPONSE']._serialized_end=1129
-  _globals['_TOKENIZEREQUEST']._serialized_start=1131
-  _globals['_TOKENIZEREQUEST']._serialized_end=1221
-  _globals['_TOKENIZERESPONSE']._serialized_start=1223
-  _globals['_TOKENIZERESPONSE']._serialized_end=1260
-  _globals['_LISTMODELSREQUEST']._serialized_start=1262
-  _globals['_LISTMODELSREQUEST']._serialized_end=1281
-  _globals['_MODELINFO']._serialized_start=1283
-  _globals['_MODELINFO']._serialized_end=1330
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1332
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1392
-  _globals['_INFERENCE']._serialized_start=1617
-  _globals['_INFERENCE']._serialized_end=1995
+  _globals['_SAMPLINGPARAMS']._serialized_end=449
+  _globals['_RESPONSEFORMAT']._serialized_start=452
+  _globals['_RESPONSEFORMAT']._serialized_end=582
+  _globals['_CHOICELIST']._serialized_start=584
+  _globals['_CHOICELIST']._serialized_end=613
+  _globals['_GENERATEREQUEST']._serialized_start=616
+  _globals['_GENERATEREQUEST']._serialized_end=816
+  _globals['_USAGE']._serialized_start=819
+  _globals['_USAGE']._serialized_end=959
+  _globals['_GENERATERESPONSE']._serialized_start=962
+  _globals['_GENERATERESPONSE']._serialized_end=1133
+  _globals['_COMPLETERESPONSE']._serialized_start=1136
+  _globals['_COMPLETERESPONSE']._serialized_end=1292
+  _globals['_CANCELREQUEST']._serialized_start=1294
+  _globals['_CANCELREQUEST']._serialized_end=1329
+  _globals['_CANCELRESPONSE']._serialized_start=1331
+  _globals['_CANCELRESPONSE']._serialized_end=1347
+  _globals['_TOKENIZEREQUEST']._serialized_start=1349
+  _globals['_TOKENIZEREQUEST']._serialized_end=1439
+  _globals['_TOKENIZERESPONSE']._serialized_start=1441
+  _globals['_TOKENIZERESPONSE']._serialized_end=1478
+  _globals['_LISTMODELSREQUEST']._serialized_start=1480
+  _globals['_LISTMODELSREQUEST']._serialized_end=1499
+  _globals['_MODELINFO']._serialized_start=1501
+  _globals['_MODELINFO']._serialized_end=1548
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1550
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1610
+  _globals['_INFERENCE']._serialized_start=1835
+  _globals['_INFERENCE']._serialized_end=2213
 # @@protoc_insertion_point(module_scope)

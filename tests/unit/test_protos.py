@@ -22,4 +22,7 @@ def test_public_contract_names():
     assert inference_pb2.Priority.Name(0) == "PRIORITY_UNSPECIFIED"
     fields = inference_pb2.SamplingParams.DESCRIPTOR.fields_by_name
     assert set(fields) == {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "seed", "repetition_penalty",
-                           "ignore_eos"}
+                           "ignore_eos", "response_format"}
+    kind = inference_pb2.ResponseFormat.DESCRIPTOR.oneofs_by_name["kind"]
+    assert [f.name for f in kind.fields] == ["json_schema", "regex", "choice", "json_object"]
+    assert list(inference_pb2.ChoiceList.DESCRIPTOR.fields_by_name) == ["choices"]
