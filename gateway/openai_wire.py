@@ -6,6 +6,7 @@ same validation as gRPC requests once the flow has the `GenerateRequest`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +74,32 @@ def _common(body: dict, request: pb.GenerateRequest) -> Parsed:
     request.sampling.CopyFrom(_sampling(body))
     if _get(body, "n", (int,), "an integer") not in (None, 1):
         raise InvalidArgument("n", "only n = 1 is supported")
-    response_format = _get(body, "response_format", (dict,), "an object")
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise InvalidArgument("response_format", "structured output is not supported yet; use type 'text'")
+    _response_format(body, request.sampling.response_format)
     options = _get(body, "stream_options", (dict,), "an object") or {}
     include_usage = _get(options, "include_usage", (bool,), "a boolean")
     return Parsed(request, stream=bool(_get(body, "stream", (bool,), "a boolean")),
                   include_usage=bool(include_usage), user=_get(body, "user", (str,), "a string") or "")
+
+
+def _json_schema(response_format: dict) -> str:
+    spec = _get(response_format, "json_schema", (dict,), "an object") or {}
+    schema = _get(spec, "schema", (dict,), "an object")
+    if schema is None:
+        raise InvalidArgument("response_format.json_schema.schema", "required: the JSON schema object")
+    return json.dumps(schema)
+
+
+def _response_format(body: dict, out: pb.ResponseFormat) -> None:
+    """OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}} / {"type": "json_object"} into
+    `out`; "text" (or none) leaves it unset. The schema itself is checked by the shared validation."""
+    response_format = _get(body, "response_format", (dict,), "an object")
+    kind = "text" if response_format is None else response_format.get("type", "text")
+    if kind == "json_schema":
+        out.json_schema = _json_schema(response_format)
+    elif kind == "json_object":
+        out.json_object = True
+    elif kind != "text":
+        raise InvalidArgument("response_format.type", "must be text, json_object or json_schema")
 
 
 def _content(message: dict, i: int) -> str:

@@ -13,6 +13,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from gateway.grammars import check_response_format
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
@@ -33,6 +34,8 @@ class RequestLimits:
     max_stop_chars: int = 64
     max_request_id_chars: int = 128
     default_max_new_tokens: int = 256
+    max_response_format_bytes: int = 65_536   # a JSON schema / regex / all choices together
+    max_response_format_choices: int = 1024
 
 
 def _utf8_len(field: str, text: str) -> int:
@@ -91,6 +94,7 @@ def check_sampling(s: pb.SamplingParams, limits: RequestLimits) -> None:
     if s.HasField("max_new_tokens") and s.max_new_tokens < 1:
         raise InvalidArgument("sampling.max_new_tokens", "must be >= 1")
     _check_stops(s.stop, limits)
+    check_response_format(s.response_format, limits.max_response_format_bytes, limits.max_response_format_choices)
 
 
 def check_request_id(request_id: str, limits: RequestLimits) -> None:
@@ -134,4 +138,5 @@ def resolve_sampling(s: pb.SamplingParams, prompt_tokens: int, context_length: i
         max_new_tokens=max_new,
         seed=s.seed if s.HasField("seed") else secrets.randbits(63),  # unset: not reproducible
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        response_format=s.response_format if s.HasField("response_format") else None,
     )
