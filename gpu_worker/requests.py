@@ -8,7 +8,19 @@ from dataclasses import dataclass, field
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from llmserve import queue
 from llmserve.clock import now_ms
+from llmserve.grammar import GrammarCache, GrammarError
 from llmserve.v1 import queue_pb2
+
+# Grammars of the formats this worker has seen (by content): a repeated schema is derived once.
+_GRAMMARS = GrammarCache(capacity=256)
+
+
+def _grammar(item: queue_pb2.WorkItem) -> str:
+    """The item's grammar; "" when it has none or it is invalid (validate_item refuses those)."""
+    try:
+        return _GRAMMARS.get(item.sampling.response_format)
+    except GrammarError:
+        return ""
 
 
 def sampling_params(item: queue_pb2.WorkItem) -> SamplingParams:
@@ -19,6 +31,7 @@ def sampling_params(item: queue_pb2.WorkItem) -> SamplingParams:
         temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0, top_k=s.top_k,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
         max_new_tokens=s.max_new_tokens, seed=seed, stop_token_ids=tuple(s.stop_token_ids),
+        grammar=_grammar(item),
     )
 
 
@@ -28,6 +41,10 @@ def validate_item(item: queue_pb2.WorkItem, vocab_size: int) -> str:
         return "prompt_token_ids: empty"
     if any(t >= vocab_size for t in (*item.prompt_token_ids, *item.generated_token_ids)):
         return f"prompt_token_ids: token id outside the vocabulary of {vocab_size}"
+    try:
+        _GRAMMARS.get(item.sampling.response_format)
+    except GrammarError as e:
+        return f"sampling.response_format: {e}"
     return ""
 
 

@@ -27,6 +27,7 @@ import torch
 from gpu_worker import metrics
 from gpu_worker.admin import WorkerAdminServicer
 from gpu_worker.config import WorkerSettings
+from gpu_worker.engine.constraint import load_constraints
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams
 from gpu_worker.handoff import hand_back
@@ -58,7 +59,7 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
     config = EngineConfig(num_blocks=num_blocks, block_size=settings.block_size,
                           max_num_seqs=settings.max_running, max_num_batched_tokens=settings.max_batched_tokens,
                           enable_prefix_caching=settings.prefix_caching)
-    engine = LLMEngine.create(model, config)
+    engine = LLMEngine.create(model, config, constraints=load_constraints(settings.model, model.config.vocab_size))
     logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)
     if device == "cuda" and settings.graph_batch_sizes():

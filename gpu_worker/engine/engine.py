@@ -9,14 +9,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
 from gpu_worker.engine.block_manager import BlockManager
+from gpu_worker.engine.constraint import ConstraintError, Constraints
 from gpu_worker.engine.metadata_builder import build_model_input
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, Failure, SamplingParams, Sequence
 from gpu_worker.model.kv_cache import KVCache
+
+logger = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,9 +57,11 @@ class LLMEngine:
         model: forward(input_ids [T], positions [T], meta, kv_cache) -> logits [num_seqs, vocab].
         kv_cache: the paged cache the model reads and writes.
         config: cache geometry and batch limits.
+        constraints: the model's grammar store, for sequences with a grammar (None: refused).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig,
+                 constraints: Constraints | None = None) -> None:
         assert kv_cache.num_blocks == config.num_blocks and kv_cache.block_size == config.block_size
         self.model = model
         self.kv_cache = kv_cache
@@ -65,17 +71,19 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.block_manager)
-        self.sampler = Sampler()
+        self.constraints = constraints
+        self.sampler = Sampler(constraints)
         self.counters = EngineCounters()
         self.decode_graphs = None  # a DecodeGraphRunner once capture_decode_graphs() ran (CUDA only)
 
     @classmethod
-    def create(cls, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype | None = None) -> LLMEngine:
+    def create(cls, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype | None = None,
+               constraints: Constraints | None = None) -> LLMEngine:
         """Allocate the KV cache for `model` and build the engine."""
         param = next(model.parameters())
         cache = KVCache.allocate(model.config, config.num_blocks, config.block_size,
                                  dtype or param.dtype, param.device)
-        return cls(model, cache, config)
+        return cls(model, cache, config, constraints)
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         """Capture pure-decode steps of these batch sizes in CUDA graphs; later steps replay them.
@@ -97,8 +105,22 @@ class LLMEngine:
         if seq.num_generated >= seq.params.max_new_tokens or seq.num_tokens >= self.context_length:
             seq.finish(FINISH_LENGTH)
             return StepOutput(seq, finished=True)
+        if seq.params.grammar and not self._start_constraint(seq):
+            return StepOutput(seq, finished=True)
         self.scheduler.add(seq)
         return None
+
+    def _start_constraint(self, seq: Sequence) -> bool:
+        """Give seq its matcher (rebuilt over tokens produced before a handoff); False: it failed."""
+        try:
+            if self.constraints is None:
+                raise ConstraintError("this engine was built without a tokenizer for grammars")
+            self.constraints.start(seq)
+            return True
+        except ConstraintError as e:
+            logger.warning("constraint refused", request_id=seq.request_id, error=str(e))
+            seq.finish(0, Failure.BAD_CONSTRAINT)
+            return False
 
     def abort(self, seq: Sequence, reason: int, failure: Failure | None = None) -> None:
         """Stop `seq` now (cancel, deadline, drain) and free its blocks."""
@@ -167,6 +189,9 @@ class LLMEngine:
             self._finish(seq, FINISH_STOP)
             return StepOutput(seq, [], finished=True)
         seq.append_token(token)
+        if self.constraints is not None and not self.constraints.advance(seq, token):
+            # the mask allowed it, so this is a library fault: log it; the next mask ends the row
+            logger.error("grammar refused a sampled token", request_id=seq.request_id, token=token)
         self.counters.generated_tokens += 1
         if seq.num_generated >= params.max_new_tokens or seq.num_tokens >= self.context_length:
             self._finish(seq, FINISH_LENGTH)

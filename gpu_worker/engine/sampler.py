@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.engine.constraint import Constraints
 from gpu_worker.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -104,11 +105,21 @@ def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: tor
 
 
 class Sampler:
-    """Picks one token per sequence from the step's logits."""
+    """Picks one token per sequence from the step's logits.
+
+    Args:
+        constraints: grammar masks for sequences with a matcher (applied first, before the
+            penalty, temperature, top-k/top-p and the seeded draw, so a seed still reproduces).
+    """
+
+    def __init__(self, constraints: Constraints | None = None) -> None:
+        self.constraints = constraints
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Args: logits [num_seqs, vocab] float32 (one row per seq, same order). Returns token ids."""
         logits = logits.float()
+        if self.constraints is not None:
+            logits = self.constraints.apply_masks(logits, seqs)
         penalized = [row for row, seq in enumerate(seqs) if seq.params.repetition_penalty != 1.0]
         if penalized:
             logits = logits.clone()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.v1 import inference_pb2
 
@@ -33,6 +34,7 @@ class Failure(enum.Enum):
     DOES_NOT_FIT = "does_not_fit"    # the prompt needs more KV blocks than the whole cache
     DEADLINE = "deadline"            # its deadline passed while it ran
     SUPERSEDED = "superseded"        # dispatched again elsewhere (fencing): this run must stop
+    BAD_CONSTRAINT = "bad_constraint"  # its grammar does not compile here, or rejects its prior tokens
 
 
 # Finish reasons reuse the public enum so events need no translation.
@@ -53,6 +55,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False       # benchmarks: run to max_new_tokens
+    grammar: str = ""              # llguidance grammar the output must match ("" = free text)
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +87,7 @@ class Sequence:
     admitted: bool = False
     finish_reason: int = 0              # FinishReason; 0 = not finished
     failure: Failure | None = None      # why the sequence failed (None: it did not)
+    matcher: Any = None                 # llguidance.LLMatcher of params.grammar (engine/constraint.py)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = [*self.prompt_token_ids, *self.prior_output_ids]
