@@ -20,6 +20,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_KIND_UNSPECIFIED: _ClassVar[ModelKind]
+    MODEL_KIND_CONCRETE: _ClassVar[ModelKind]
+    MODEL_KIND_ALIAS: _ClassVar[ModelKind]
 PRIORITY_UNSPECIFIED: Priority
 PRIORITY_LOW: Priority
 PRIORITY_NORMAL: Priority
@@ -28,6 +34,9 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+MODEL_KIND_UNSPECIFIED: ModelKind
+MODEL_KIND_CONCRETE: ModelKind
+MODEL_KIND_ALIAS: ModelKind
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -169,13 +178,27 @@ class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RouteWeight(_message.Message):
+    __slots__ = ("model", "weight")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    weight: int
+    def __init__(self, model: _Optional[str] = ..., weight: _Optional[int] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "context_length")
+    __slots__ = ("id", "context_length", "kind", "routes", "is_default")
     ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     id: str
     context_length: int
-    def __init__(self, id: _Optional[str] = ..., context_length: _Optional[int] = ...) -> None: ...
+    kind: ModelKind
+    routes: _containers.RepeatedCompositeFieldContainer[RouteWeight]
+    is_default: bool
+    def __init__(self, id: _Optional[str] = ..., context_length: _Optional[int] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., routes: _Optional[_Iterable[_Union[RouteWeight, _Mapping]]] = ..., is_default: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
