@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from llmserve.models_file import ModelsFileError, from_setting
 from llmserve.settings import CommonSettings, SettingsError, require, setting
 
 LIMIT_FIELDS = ("max_batch", "max_wait_ms", "prefill_token_budget")
@@ -33,7 +34,8 @@ class BatchLimits:
 
 @dataclass
 class BatcherSettings(CommonSettings):
-    models: str = setting("smollm2-135m", "comma list of model ids to batch for")
+    models: str = setting("smollm2-135m", "comma list of model ids to batch for, or @FILE: every model of a "
+                                          "models file (llmserve/models_file.py)")
     max_batch: int = setting(32, "sequences per batch")
     max_wait_ms: float = setting(5.0, "longest an item waits for its batch to fill")
     prefill_token_budget: int = setting(8192, "prompt tokens per batch (a single larger prompt goes alone)")
@@ -72,7 +74,10 @@ class BatcherSettings(CommonSettings):
             check_limits(self.limits_for(model), model)
 
     def model_list(self) -> list[str]:
-        return [m.strip() for m in self.models.split(",") if m.strip()]
+        try:
+            return from_setting(self.models).ids
+        except ModelsFileError as exc:
+            raise SettingsError(f"invalid setting models: {exc}") from None
 
     def consumer_name(self) -> str:
         return self.consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -7,7 +7,8 @@ import sys
 
 from gpu_worker.config import WorkerSettings
 from gpu_worker.service import WorkerService
-from llmserve.log import configure_logging
+from llmserve import model_store
+from llmserve.log import bind_model, configure_logging
 from llmserve.server import serve
 
 DESCRIPTION = ("Inference worker: consumes its Redis inbox, runs continuous batching over a paged KV cache, "
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = WorkerSettings.load_or_exit(sys.argv[1:] if argv is None else argv,
                                            prog="python -m gpu_worker", description=DESCRIPTION)
     configure_logging("gpu_worker", settings.log_level)
+    bind_model(model_store.model_id(settings.model))  # the concrete id, on every line of this worker
 
     async def run() -> int:
         stop = asyncio.Event()

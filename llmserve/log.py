@@ -1,6 +1,7 @@
 """structlog JSON logging shared by every service.
 
-Handlers bind `request_id` and `tenant` with `bind_request()`; structlog's
+Every line carries `service` and `version` (the package's). Handlers bind
+`request_id`, `tenant` and `model` with `bind_request()` / `bind_model()`; structlog's
 contextvars keep the binding per asyncio task, so concurrent requests never see
 each other's context.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from importlib import metadata
 from typing import TextIO, cast
 
 import structlog
@@ -43,9 +45,22 @@ def configure_logging(service: str, level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _CurrentStderr())),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(service=service)
+    structlog.contextvars.bind_contextvars(service=service, version=service_version())
 
 
-def bind_request(request_id: str, tenant: str) -> None:
-    """Bind request_id and tenant to every log line of the current task."""
-    structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant)
+def service_version() -> str:
+    """The installed llmserve package's version (every service ships in it)."""
+    try:
+        return metadata.version("llmserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def bind_request(request_id: str, tenant: str, model: str = "") -> None:
+    """Bind request_id, tenant and model (not known yet: "") to every log line of the current task."""
+    structlog.contextvars.bind_contextvars(request_id=request_id, tenant=tenant, model=model)
+
+
+def bind_model(model: str) -> None:
+    """Bind the concrete model id (NAME@VERSION) to every later log line of the current task."""
+    structlog.contextvars.bind_contextvars(model=model)

@@ -71,8 +71,19 @@ def fetch(name: str = DEFAULT_MODEL) -> Path:
     return target
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """(model id, weights spec) of a model spec. `ID=PATH` serves PATH (an alias like smollm2-135m,
+    a GGUF file or an HF directory) under the id ID, e.g. `smollm2-135m@v2=/models/v2.gguf`; any
+    other spec is its own weights, under the id model_id() gives it."""
+    head, sep, tail = spec.partition("=")
+    if sep and head and tail and "/" not in head and not Path(spec).expanduser().exists():
+        return head, tail
+    return _plain_id(spec), spec
+
+
 def resolve(model: str) -> Path:
-    """A model alias (`smollm2-135m`) or a path to a GGUF file / HF directory."""
+    """A model alias (`smollm2-135m`), a path to a GGUF file / HF directory, or `ID=` one of those."""
+    model = split_spec(model)[1]
     if model in KNOWN_MODELS:
         return fetch(model)
     path = Path(model).expanduser()
@@ -82,7 +93,11 @@ def resolve(model: str) -> Path:
 
 
 def model_id(model: str) -> str:
-    """The public id of a model spec: the alias itself, or the file/directory stem of a path."""
+    """The public id of a model spec: ID of `ID=PATH`, the alias itself, or the file/directory stem of a path."""
+    return split_spec(model)[0]
+
+
+def _plain_id(model: str) -> str:
     if model in KNOWN_MODELS:
         return model
     path = Path(model).expanduser()

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from llmserve.settings import CommonSettings, require, setting
+from llmserve.models_file import ModelsFileError, from_setting
+from llmserve.settings import CommonSettings, SettingsError, require, setting
 
 
 @dataclass
 class TokenizerSettings(CommonSettings):
-    models: str = setting("smollm2-135m", "comma list of model specs (alias or path); the first is the default")
+    models: str = setting("smollm2-135m", "comma list of model specs (alias, path or ID=PATH; the first is the "
+                                          "default), or @FILE: a models file (llmserve/models_file.py)")
     workers: int = setting(0, "pool processes (0 = one per CPU core)")
     max_text_bytes: int = setting(1 << 20, "largest text (or all message contents together) per request, bytes")
     max_messages: int = setting(512, "most chat messages per request")
@@ -40,7 +42,10 @@ class TokenizerSettings(CommonSettings):
                 "must exceed max_text_bytes")
 
     def model_specs(self) -> list[str]:
-        return [spec.strip() for spec in self.models.split(",") if spec.strip()]
+        try:
+            return from_setting(self.models).specs()
+        except ModelsFileError as exc:
+            raise SettingsError(f"invalid setting models: {exc}") from None
 
     def pool_size(self) -> int:
         return self.workers or os.cpu_count() or 1

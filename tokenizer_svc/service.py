@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from array import array
+from pathlib import Path
 
 import grpc
 import structlog
@@ -29,13 +30,19 @@ logger = structlog.get_logger(__name__)
 
 
 def load_models(specs: list[str]) -> dict[str, ModelTokenizer]:
-    """Model id → tokenizer, in the order given (the first is the default)."""
-    models = {}
+    """Model id → tokenizer, in the order given (the first is the default). Ids whose weights are
+    the same file (two versions of one model) share one loaded tokenizer."""
+    models: dict[str, ModelTokenizer] = {}
+    by_path: dict[Path, ModelTokenizer] = {}
     for spec in specs:
-        model_id = model_store.model_id(spec)
-        models[model_id] = load_tokenizer(model_store.resolve(spec))
-        logger.info("tokenizer loaded", model=model_id, vocab_size=models[model_id].vocab_size,
-                    context_length=models[model_id].context_length)
+        model_id, path = model_store.model_id(spec), model_store.resolve(spec).resolve()
+        if path not in by_path:
+            by_path[path] = load_tokenizer(path)
+            logger.info("tokenizer loaded", model=model_id, vocab_size=by_path[path].vocab_size,
+                        context_length=by_path[path].context_length)
+        else:
+            logger.info("tokenizer shared", model=model_id, path=str(path))
+        models[model_id] = by_path[path]
     return models
 
 
