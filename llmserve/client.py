@@ -129,9 +129,11 @@ def _messages(messages: Sequence[Mapping[str, str] | pb.ChatMessage] | None) -> 
 def build_request(prompt: str | None = None, messages=None, *, model: str = "", max_new_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   stop: Sequence[str] = (), seed: int | None = None, repetition_penalty: float | None = None,
-                  priority: str | None = None, request_id: str | None = None) -> pb.GenerateRequest:
-    """A GenerateRequest; unset sampling fields stay unset (server defaults). request_id defaults to a uuid."""
-    sampling = pb.SamplingParams(stop=list(stop))
+                  priority: str | None = None, request_id: str | None = None,
+                  response_format: pb.ResponseFormat | None = None) -> pb.GenerateRequest:
+    """A GenerateRequest; unset sampling fields stay unset (server defaults). request_id defaults to a uuid.
+    response_format: structured output, e.g. `pb.ResponseFormat(json_schema=json.dumps(schema))`."""
+    sampling = pb.SamplingParams(stop=list(stop), response_format=response_format)
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
                         ("top_k", top_k), ("seed", seed), ("repetition_penalty", repetition_penalty)):
         if value is not None:

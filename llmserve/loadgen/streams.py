@@ -94,8 +94,10 @@ class StreamLoad:
     temperature is given: with the seed, sampled output is reproducible too)."""
 
     def __init__(self, target: str, api_key: str, prompts=PROMPTS[:16], max_new_tokens: int = 24,
-                 timeout_s: float = 180.0, retry: RetryPolicy | None = None, temperature: float = 0.0) -> None:
+                 timeout_s: float = 180.0, retry: RetryPolicy | None = None, temperature: float = 0.0,
+                 response_format=None) -> None:
         self.target, self.api_key, self.prompts = target, api_key, list(prompts)
+        self.response_format = response_format   # pb.ResponseFormat of every stream (None: free text)
         self.max_new_tokens, self.timeout_s, self.temperature = max_new_tokens, timeout_s, temperature
         self.retry = retry or RetryPolicy(max_attempts=40, initial_s=0.05, max_backoff_s=1.0)
 
@@ -103,7 +105,8 @@ class StreamLoad:
         try:
             for chunk in client.generate(messages=[{"role": "user", "content": record.prompt}],
                                          timeout=self.timeout_s, max_new_tokens=self.max_new_tokens,
-                                         temperature=self.temperature, seed=1234, request_id=record.request_id):
+                                         temperature=self.temperature, seed=1234, request_id=record.request_id,
+                                         response_format=self.response_format):
                 if not record.chunk_times_s:
                     started.release()
                 record.chunk_times_s.append(time.monotonic())
