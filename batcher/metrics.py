@@ -6,11 +6,12 @@ from prometheus_client import Counter, Gauge, Histogram
 
 QUEUE_DEPTH = Gauge(
     "llmserve_batcher_queue_depth", "Items waiting on the work stream (unread + read, not dispatched)",
-    ["model", "priority"])
+    ["model", "priority", "shard"])
 QUEUE_AGE = Gauge(
     "llmserve_batcher_queue_oldest_age_seconds", "Age of the oldest waiting item (since enqueue)",
-    ["model", "priority"])
-HELD = Gauge("llmserve_batcher_held_items", "Items read ahead into this replica's local queues", ["model"])
+    ["model", "priority", "shard"])
+HELD = Gauge("llmserve_batcher_held_items", "Items read ahead into this replica's local queues",
+             ["model", "shard"])
 BATCH_SIZE = Histogram(
     "llmserve_batcher_batch_size", "Sequences per dispatched batch", ["model"],
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
@@ -23,7 +24,8 @@ FILL_WAIT = Histogram(
 DISPATCHED = Counter("llmserve_batcher_dispatched_items_total", "Items written to worker inboxes", ["model"])
 RECLAIMS = Counter(
     "llmserve_batcher_reclaims_total", "Entries reclaimed (kind=batcher: from a silent batcher's pending "
-    "list; kind=inbox: batches from a dead worker's inbox)", ["model", "kind"])
+    "list; kind=inbox: batches from a dead worker's inbox; kind=rehomed: items moved from a queue cell with "
+    "no live worker to another cell)", ["model", "kind"])
 DROPS = Counter("llmserve_batcher_drops_total", "Items ended without dispatch", ["model", "reason"])
 CONFLICTS = Counter(
     "llmserve_batcher_ownership_lost_total", "Held items another replica had taken over (not dispatched here)",

@@ -1,8 +1,11 @@
-"""The batching loop of one model.
+"""The batching loop of one model's queue cell (llmserve/keys.py: cell 0 unless queue_shards > 1).
 
     XREADGROUP (3 priority streams) ─▶ FairQueue (held, still pending) ─▶ take(batch)
         ─▶ drop expired / cancelled (final event, ack) ─▶ pick worker (prefix, capacity)
         ─▶ Lua: XADD inbox + XACK/XDEL items ─▶ reserve capacity locally
+
+A cell whose workers are all gone hands what it holds to a sibling cell that has live
+workers (batcher/rehome.py).
 
 Everything that touches the local queue runs in this one task (reads,
 dispatches, reclaims, housekeeping), so there are no races inside a replica;
@@ -15,6 +18,7 @@ import asyncio
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import structlog
@@ -26,6 +30,7 @@ from batcher.config import BatcherSettings
 from batcher.events import DropReason, final_event, write_final
 from batcher.fair_queue import FairQueue, Held
 from batcher.reclaimer import ReclaimContext, Reclaimer
+from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
 from llmserve import fencing, keys, queue
@@ -47,19 +52,21 @@ _Drop = tuple[Held, DropReason, str]
 
 
 class ModelBatcher:
-    """Reads one model's work streams and dispatches its batches; see the module docstring."""
+    """Reads one queue cell's work streams and dispatches its batches to the cell's workers;
+    see the module docstring."""
 
     def __init__(self, redis: aioredis.Redis, scripts: Scripts, settings: BatcherSettings, model: str,
-                 consumer: str) -> None:
+                 consumer: str, shard: int = 0, rehome_to: Callable[[], int | None] = lambda: None) -> None:
         self.redis, self.scripts, self.settings = redis, scripts, settings
-        self.model, self.consumer = model, consumer
+        self.model, self.shard, self.consumer = model, shard, consumer
         self.limits = settings.limits_for(model)
-        self.streams = {p: keys.work_stream(model, p) for p in keys.PRIORITY_ORDER}
+        self.streams = {p: keys.work_stream(model, p, shard) for p in keys.PRIORITY_ORDER}
         self.queue = FairQueue()
+        self.rehome_to = rehome_to
         self.pool = WorkerPool(settings.heartbeat_ttl_ms, settings.capacity_grace_ms)
         self.reclaimer = Reclaimer(ReclaimContext(
-            redis, scripts, settings, model, consumer, self.streams, self.pool, self.limits.max_wait_ms,
-            held_count=self.queue.count, holds=self.queue.__contains__, accept=self.accept))
+            redis, scripts, settings, model, shard, consumer, self.streams, self.pool, self.limits.max_wait_ms,
+            held_count=self.queue.count, holds=self.queue.__contains__, accept=self.accept, rehome_to=rehome_to))
         self._reading = True
         self._workers_at = self._touched_at = self._reclaimed_at = 0.0
 
@@ -152,7 +159,7 @@ class ModelBatcher:
         read_at = time.monotonic()
         for stream, entries in reply or []:
             await self.accept(_text(stream), entries, read_at)
-        metrics.HELD.labels(self.model).set(len(self.queue))
+        metrics.HELD.labels(self.model, str(self.shard)).set(len(self.queue))
 
     async def accept(self, stream: str, entries: list, read_at: float) -> int:
         """Queue entries read or claimed from `stream`; malformed ones are acked and counted."""
@@ -253,8 +260,8 @@ class ModelBatcher:
         for cap, batch in plans:
             message = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=[h.item for h in batch],
                                       created_unix_ms=now_ms())
-            self.scripts.add_dispatch(pipe, keys.inbox_stream(self.model, cap.worker_id),
-                                      keys.inboxes_set(self.model), cap.worker_id, keys.INBOX_GROUP,
+            self.scripts.add_dispatch(pipe, keys.inbox_stream(self.model, cap.worker_id, self.shard),
+                                      keys.inboxes_set(self.model, self.shard), cap.worker_id, keys.INBOX_GROUP,
                                       self.consumer, _sources(batch), message.SerializeToString())
         try:
             replies = await pipe.execute()
@@ -288,7 +295,7 @@ class ModelBatcher:
                           self.settings.events_ttl_s)
         helds = [h for h, _, _ in drops]
         for _ in range(2):  # the script acks all or nothing: retry without entries another replica owns
-            result = await self.scripts.ack(self.model, self.consumer, _sources(helds))
+            result = await self.scripts.ack(self.model, self.shard, self.consumer, _sources(helds))
             helds = [h for h in helds if h.ref not in set(result.lost)]
             if result.ok or not helds:
                 break
@@ -298,14 +305,14 @@ class ModelBatcher:
                         tenant=held.item.tenant, reason=reason.value)
 
     async def _ack(self, stream: str, group: str, ids: list[str]) -> None:
-        await self.scripts.ack(self.model, self.consumer, [Source(stream, group, ids)])
+        await self.scripts.ack(self.model, self.shard, self.consumer, [Source(stream, group, ids)])
 
     # ── periodic work ─────────────────────────────────────────────────────
 
     async def _maybe_refresh_workers(self, now: float) -> None:
         if now - self._workers_at < self.settings.workers_poll_ms / 1000:
             return
-        raw = await self.redis.hgetall(keys.workers_hash(self.model))
+        raw = await self.redis.hgetall(keys.workers_hash(self.model, self.shard))
         self.pool.update({_text(k): hb for k, v in raw.items() if (hb := _heartbeat(v)) is not None})
         self._workers_at = now
 
@@ -318,6 +325,29 @@ class ModelBatcher:
             self._reclaimed_at = now
             await self._drop_expired()
             await self.reclaimer.sweep()
+            await self._rehome_held()
+
+    async def _rehome_held(self) -> None:
+        """With no live worker in this cell, move everything held to a sibling cell that has one."""
+        if not self.queue or self.pool.accepting(now_ms()):
+            return
+        target = self.rehome_to()
+        if target is None:
+            return
+        helds = self.queue.remove_if(lambda _h: True)
+        try:
+            await move_items(self.redis, self.model, target, [h.item for h in helds])
+        except (RedisError, OSError):
+            self.queue.extend(helds)
+            raise
+        result = await self.scripts.ack(self.model, self.shard, self.consumer, _sources(helds))
+        if not result.ok:  # some were reclaimed by another replica meanwhile: ack the rest
+            lost = set(result.lost)
+            await self.scripts.ack(self.model, self.shard, self.consumer,
+                                   _sources([h for h in helds if h.ref not in lost]))
+        metrics.RECLAIMS.labels(self.model, "rehomed").inc(len(helds))
+        logger.info("moved held items to another queue cell", model=self.model, shard=self.shard,
+                    to_shard=target, items=len(helds))
 
     async def _drop_expired(self) -> None:
         stamp = now_ms()

@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from batcher import metrics
 from batcher.config import BatcherSettings
 from batcher.events import DropReason, final_event, write_final
+from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source
 from batcher.workers import Capacity, WorkerPool, blocks_needed
 from llmserve import fencing, keys, queue
@@ -43,6 +44,7 @@ class ReclaimContext:
     scripts: Scripts
     settings: BatcherSettings
     model: str
+    shard: int                                        # the model's queue cell (llmserve/keys.py)
     consumer: str
     streams: Mapping[int, str]                        # priority -> work stream
     pool: WorkerPool
@@ -50,6 +52,7 @@ class ReclaimContext:
     held_count: Callable[[int], int]                  # items held locally, by priority
     holds: Callable[[tuple[str, str]], bool]          # whether (stream, entry id) is held locally
     accept: Callable[[str, list, float], Awaitable[int]]  # queue claimed entries locally
+    rehome_to: Callable[[], int | None]               # a sibling cell with live workers (batcher/rehome.py)
 
 
 class Reclaimer:
@@ -89,19 +92,25 @@ class Reclaimer:
     # ── (b) inboxes of dead workers ───────────────────────────────────────
 
     async def claim_inboxes(self) -> None:
+        """Re-dispatch dead workers' batches to this cell's live workers; when it has none, move
+        them to a sibling cell that has (batcher/rehome.py); when no cell has, leave them."""
         ctx, now = self.ctx, now_ms()
-        if not ctx.pool.accepting(now):
+        rehome_to = None if ctx.pool.accepting(now) else ctx.rehome_to()
+        if rehome_to is None and not ctx.pool.accepting(now):
             return  # nobody to hand batches to: leave them where they are
-        for raw in await ctx.redis.smembers(keys.inboxes_set(ctx.model)):
+        for raw in await ctx.redis.smembers(keys.inboxes_set(ctx.model, ctx.shard)):
             worker_id = _text(raw)
             if not ctx.pool.is_alive(worker_id, now):
                 await self._claim_inbox(worker_id)
         for key in list(self._prepared):
-            await self._redispatch(key)
+            if rehome_to is None:
+                await self._redispatch(key)
+            else:
+                await self._rehome(key, rehome_to)
 
     async def _claim_inbox(self, worker_id: str) -> None:
         ctx = self.ctx
-        inbox = keys.inbox_stream(ctx.model, worker_id)
+        inbox = keys.inbox_stream(ctx.model, worker_id, ctx.shard)
         try:
             unread = await ctx.redis.xreadgroup(keys.INBOX_GROUP, ctx.consumer, {inbox: ">"},
                                                   count=_INBOX_COUNT)
@@ -111,7 +120,7 @@ class Reclaimer:
         except ResponseError as exc:  # inbox or its group is gone: nothing to reclaim
             if "NOGROUP" not in str(exc):
                 raise
-            await ctx.redis.srem(keys.inboxes_set(ctx.model), worker_id)
+            await ctx.redis.srem(keys.inboxes_set(ctx.model, ctx.shard), worker_id)
             return
         for _, entries in unread or []:
             for entry_id, fields in entries:
@@ -120,7 +129,7 @@ class Reclaimer:
             if fields:
                 self._prepare(inbox, _text(entry_id), fields, delivered=True)
         if not unread and not claimed and (await ctx.redis.xpending(inbox, keys.INBOX_GROUP))["pending"] == 0:
-            await ctx.redis.srem(keys.inboxes_set(ctx.model), worker_id)  # fully drained
+            await ctx.redis.srem(keys.inboxes_set(ctx.model, ctx.shard), worker_id)  # fully drained
 
     def _prepare(self, inbox: str, entry_id: str, fields: dict, delivered: bool) -> None:
         if (inbox, entry_id) in self._prepared:
@@ -143,7 +152,7 @@ class Reclaimer:
         self._prepared[key] = items
         source = [Source(inbox, keys.INBOX_GROUP, [entry_id])]
         if not items:  # nothing left to run: just retire the entry
-            await ctx.scripts.ack(ctx.model, ctx.consumer, source)
+            await ctx.scripts.ack(ctx.model, ctx.shard, ctx.consumer, source)
             del self._prepared[key]
             return
         cap = self._target(items)
@@ -153,7 +162,7 @@ class Reclaimer:
         await fencing.issue(ctx.redis, items, ctx.settings.events_ttl_s)
         batch = queue_pb2.Batch(batch_id=uuid.uuid4().hex, items=items, created_unix_ms=now_ms())
         result = await ctx.scripts.dispatch(
-            keys.inbox_stream(ctx.model, cap.worker_id), keys.inboxes_set(ctx.model), cap.worker_id,
+            keys.inbox_stream(ctx.model, cap.worker_id, ctx.shard), keys.inboxes_set(ctx.model, ctx.shard), cap.worker_id,
             keys.INBOX_GROUP, ctx.consumer, source, batch.SerializeToString())
         del self._prepared[key]  # dispatched, or another replica owns it now
         if result.ok:
@@ -162,6 +171,16 @@ class Reclaimer:
             ctx.pool.reserve(cap.worker_id, blocks, len(items), now_ms())
             metrics.DISPATCHED.labels(ctx.model).inc(len(items))
             logger.info("redispatched batch", from_inbox=inbox, to_worker=cap.worker_id, items=len(items))
+
+    async def _rehome(self, key: tuple[str, str], target_shard: int) -> None:
+        ctx, (inbox, entry_id) = self.ctx, key
+        items = await self._fail_poison(self._prepared[key])
+        await move_items(ctx.redis, ctx.model, target_shard, items)
+        await ctx.scripts.ack(ctx.model, ctx.shard, ctx.consumer, [Source(inbox, keys.INBOX_GROUP, [entry_id])])
+        del self._prepared[key]
+        metrics.RECLAIMS.labels(ctx.model, "rehomed").inc(len(items))
+        logger.info("moved a dead worker's batch to another queue cell", from_inbox=inbox, to_shard=target_shard,
+                    items=len(items))
 
     async def _fail_poison(self, items: list[queue_pb2.WorkItem]) -> list[queue_pb2.WorkItem]:
         """Fail items that already went to `max_deliveries` workers; return the rest."""

@@ -5,7 +5,7 @@ pending on *this* consumer (another replica may have reclaimed it), and only
 then XADDs the batch to the worker inbox and XACKs + XDELs the sources, all in
 one script. An item is therefore in exactly one place at any time: a work
 stream / dead inbox (pending) or a live worker's inbox. Every key it touches
-shares the `{m:<model>}` hash tag, so it runs unchanged on Redis Cluster.
+shares the queue cell's `{m:<model>}` hash tag, so it runs unchanged on Redis Cluster.
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ class Scripts:
         [reply] = await pipe.execute()
         return dispatch_result(reply, sources)
 
-    async def ack(self, model: str, consumer: str, sources: Sequence[Source]) -> DispatchResult:
+    async def ack(self, model: str, shard: int, consumer: str, sources: Sequence[Source]) -> DispatchResult:
         """Ack and delete `sources` without dispatching anything (all or none, only entries still
-        ours). The dispatch script's target keys go unused; they name the model's inboxes set so
-        every key stays in the model's hash slot."""
-        placeholder = keys.inboxes_set(model)
+        ours). The dispatch script's target keys go unused; they name the queue cell's inboxes set
+        so every key stays in the cell's hash slot."""
+        placeholder = keys.inboxes_set(model, shard)
         return await self.dispatch(placeholder, placeholder, "", keys.INBOX_GROUP, consumer, sources, b"")
 
     async def touch(self, stream: str, group: str, consumer: str, ids: Sequence[str]) -> list[str]:

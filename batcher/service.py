@@ -1,4 +1,4 @@
-"""The batcher as a `llmserve.server.Service`: one batch loop per model.
+"""The batcher as a `llmserve.server.Service`: one batch loop per model and queue cell.
 
 The gRPC server only carries health and reflection (an operator or the stack
 launcher waits for SERVING); all real work happens against Redis.
@@ -24,7 +24,8 @@ logger = structlog.get_logger(__name__)
 
 
 class BatcherService:
-    """Starts a `ModelBatcher` per configured model and stops them gracefully.
+    """Starts a `ModelBatcher` per configured model and queue cell (`queue_shards` of them) and
+    stops them gracefully.
 
     Args:
         settings: validated batcher settings.
@@ -42,7 +43,7 @@ class BatcherService:
         self.consumer = settings.consumer_name()
         self._redis = redis
         self._own_redis = redis is None
-        self.models: dict[str, ModelBatcher] = {}
+        self.cells: list[ModelBatcher] = []
         self._tasks: list[asyncio.Task] = []
         self._stopping = asyncio.Event()
 
@@ -55,15 +56,27 @@ class BatcherService:
         scripts = Scripts(self._redis)
         await scripts.load()
         for model in self.settings.model_list():
-            batcher = ModelBatcher(self._redis, scripts, self.settings, model, self.consumer)
-            await batcher.ensure_groups()
-            self.models[model] = batcher
-            task = asyncio.create_task(batcher.run(), name=f"batch-{model}")
-            task.add_done_callback(self._loop_ended)
-            self._tasks.append(task)
+            for shard in range(self.settings.queue_shards):
+                batcher = ModelBatcher(self._redis, scripts, self.settings, model, self.consumer, shard,
+                                       rehome_to=lambda m=model, k=shard: self._live_sibling(m, k))
+                await batcher.ensure_groups()
+                self.cells.append(batcher)
+                task = asyncio.create_task(batcher.run(), name=f"batch-{model}-{shard}")
+                task.add_done_callback(self._loop_ended)
+                self._tasks.append(task)
         self._tasks.append(asyncio.create_task(self._stats_loop(), name="batcher-stats"))
-        logger.info("batcher started", consumer=self.consumer, models=list(self.models),
-                    limits={m: vars(b.limits) for m, b in self.models.items()})
+        logger.info("batcher started", consumer=self.consumer, models=self.settings.model_list(),
+                    queue_shards=self.settings.queue_shards,
+                    limits={b.model: vars(b.limits) for b in self.cells})
+
+    def _live_sibling(self, model: str, shard: int) -> int | None:
+        """Another cell of `model` whose workers accept batches (the one with most of them), for a
+        cell that has none left."""
+        stamp = now_ms()
+        live = [(len(c.pool.accepting(stamp)), -c.shard, c.shard) for c in self.cells
+                if c.model == model and c.shard != shard]
+        best = max(live, default=(0, 0, None))
+        return best[2] if best[0] > 0 else None
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -77,7 +90,7 @@ class BatcherService:
 
     async def drain(self) -> None:
         """Stop reading; each loop finishes its batch in hand and flushes what it holds."""
-        for batcher in self.models.values():
+        for batcher in self.cells:
             batcher.stop_reading()
         self._stopping.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -88,9 +101,9 @@ class BatcherService:
 
     async def _stats_loop(self) -> None:
         while not self._stopping.is_set():
-            for model in self.models:
+            for cell in self.cells:
                 try:
-                    await self._publish_depth(model)
+                    await self._publish_depth(cell)
                 except (RedisError, OSError) as exc:
                     logger.debug("stats refresh failed", error=repr(exc))
             try:
@@ -98,16 +111,17 @@ class BatcherService:
             except TimeoutError:
                 pass
 
-    async def _publish_depth(self, model: str) -> None:
+    async def _publish_depth(self, cell: ModelBatcher) -> None:
         """Depth = stream length (dispatched entries are deleted, so: unread + read-ahead); age of the oldest."""
         now = now_ms()
-        metrics.HELD.labels(model).set(len(self.models[model].queue))
-        for priority in keys.PRIORITY_ORDER:
-            stream, label = keys.work_stream(model, priority), keys.priority_name(priority)
-            metrics.QUEUE_DEPTH.labels(model, label).set(await self._redis.xlen(stream))
+        shard = str(cell.shard)
+        metrics.HELD.labels(cell.model, shard).set(len(cell.queue))
+        for priority, stream in cell.streams.items():
+            label = keys.priority_name(priority)
+            metrics.QUEUE_DEPTH.labels(cell.model, label, shard).set(await self._redis.xlen(stream))
             first = await self._redis.xrange(stream, "-", "+", count=1)
             age = 0.0
             if first:
                 item = queue.decode_item(first[0][1])
                 age = max(0.0, (now - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0
-            metrics.QUEUE_AGE.labels(model, label).set(age)
+            metrics.QUEUE_AGE.labels(cell.model, label, shard).set(age)

@@ -3,6 +3,7 @@
     every stream: a slot among this gateway's streams of the tenant (max_tenant_streams)
     new request:  model check → validate → tokenize → resolve sampling → shed check
                   → quota admit (one Lua call) → claim request meta → XADD WorkItem
+                  (to a queue cell with live workers, llmserve/queue_cells.py)
     both:         XREAD BLOCK the events stream → OutputBuilder → chunks
     resume:       request meta of the same tenant exists → attach from 0 / x-resume-from;
                   the only viewer of a request that holds its lease carries that lease on,
@@ -46,6 +47,7 @@ from llmserve.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from llmserve.queue_cells import CellChooser
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 
@@ -78,7 +80,8 @@ class Flow:
         self.blocking = blocking
         self.catalog = catalog
         self.quota = quota
-        self.shedder = Shedder(redis, settings.queue_max_depth, settings.high_reserved_share)
+        self.shedder = Shedder(redis, settings.queue_max_depth, settings.high_reserved_share, settings.queue_shards)
+        self.cells = CellChooser(redis, settings.queue_shards)
         self.limits = RequestLimits(settings.max_prompt_bytes, settings.max_messages, settings.max_stop_strings,
                                     settings.max_stop_chars, settings.max_request_id_chars,
                                     settings.default_max_new_tokens)
@@ -177,7 +180,8 @@ class Flow:
 
     async def _enqueue(self, call: Call, meta: Meta, item: queue_pb2.WorkItem) -> None:
         key = keys.request_meta(call.tenant.id, call.request_id)
-        meta.work_key = keys.work_stream(meta.model, item.priority)
+        shard = await self.cells.choose(meta.model, keys.request_uid(call.tenant.id, call.request_id))
+        meta.work_key = keys.work_stream(meta.model, item.priority, shard)
         try:
             await self.redis.hset(key, mapping=meta.to_redis())
             entry_id = await self.redis.xadd(meta.work_key, queue.item_entry(item))

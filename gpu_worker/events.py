@@ -56,11 +56,12 @@ class EventPublisher:
         model: model id (inbox key).
         worker_id: this worker.
         ttl_s: events stream TTL, renewed on every write.
+        shard: the queue cell the worker joined (inbox key).
     """
 
-    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, ttl_s: int, shard: int = 0) -> None:
         self.redis = redis
-        self.inbox = keys.inbox_stream(model, worker_id)
+        self.inbox = keys.inbox_stream(model, worker_id, shard)
         self.worker_id = worker_id
         self.ttl_s = ttl_s
 

@@ -28,9 +28,9 @@ class Heartbeat:
 
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, admin_address: str,
                  interval_s: float, block_size: int, max_running: int,
-                 snapshot: Callable[[], Snapshot], draining: Callable[[], bool]) -> None:
+                 snapshot: Callable[[], Snapshot], draining: Callable[[], bool], shard: int = 0) -> None:
         self.redis = redis
-        self.key = keys.workers_hash(model)
+        self.key = keys.workers_hash(model, shard)
         self.model = model
         self.worker_id = worker_id
         self.admin_address = admin_address

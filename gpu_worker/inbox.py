@@ -43,11 +43,12 @@ class Inbox:
         redis: client whose socket timeout exceeds `block_ms`.
         model: model id.
         worker_id: consumer name.
+        shard: the queue cell the worker joined.
     """
 
-    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str) -> None:
+    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, shard: int = 0) -> None:
         self.redis = redis
-        self.key = keys.inbox_stream(model, worker_id)
+        self.key = keys.inbox_stream(model, worker_id, shard)
         self.consumer = worker_id
         self._pending_from: str | None = "0"   # None once own pending entries were re-read
 

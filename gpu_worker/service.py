@@ -1,6 +1,7 @@
 """WorkerService: the gpu_worker process as an `llmserve.server.Service`.
 
-    start():  load model (thread) ─▶ KV cache from budget ─▶ warm-up forward ─▶ loop + heartbeat
+    start():  load model (thread) ─▶ KV cache from budget ─▶ warm-up forward ─▶ join a queue cell
+              ─▶ loop + heartbeat
     drain():  draining=true in the heartbeat ─▶ running sequences finish (≤ drain timeout)
               ─▶ loop stops ─▶ the rest is handed back to the work streams ─▶ HDEL heartbeat
     close():  tasks cancelled, Redis closed
@@ -36,7 +37,7 @@ from gpu_worker.model.kv_cache import num_blocks_for_budget
 from gpu_worker.model.loader import load_model
 from gpu_worker.ops import select_device
 from gpu_worker.worker_loop import REDIS_ERRORS, WorkerLoop
-from llmserve import model_store
+from llmserve import model_store, queue_cells
 from llmserve.redis_client import connect
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -102,6 +103,7 @@ class WorkerService:
         self.loop: WorkerLoop | None = None
         self.heartbeat: Heartbeat | None = None
         self.draining = False
+        self.shard = 0                      # the queue cell joined at start (llmserve/queue_cells.py)
         self._tasks: list[asyncio.Task] = []
         self._drain_task: asyncio.Task | None = None
         self.failure: BaseException | None = None
@@ -114,16 +116,18 @@ class WorkerService:
         self.engine = await asyncio.to_thread(build_engine, self.settings)
         if self.settings.warmup:
             await asyncio.to_thread(warm_up, self.engine)
+        self.shard = queue_cells.cell_to_join(
+            await queue_cells.live_workers(self.redis, self.model_id, self.settings.queue_shards))
         self.loop = WorkerLoop(self.engine, self.redis, self.model_id, self.worker_id,
-                               self.settings.events_ttl_s, self.settings.max_inbox_batches)
+                               self.settings.events_ttl_s, self.settings.max_inbox_batches, self.shard)
         self.heartbeat = Heartbeat(
             self.redis, self.model_id, self.worker_id, self.settings.admin_address(),
             self.settings.heartbeat_s, self.settings.block_size, self.settings.max_running,
-            snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining)
+            snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining, shard=self.shard)
         self._tasks = [asyncio.create_task(self.loop.run(), name="engine-loop"),
                        asyncio.create_task(self.heartbeat.run(), name="heartbeat")]
         self._tasks[0].add_done_callback(self._engine_loop_ended)
-        logger.info("worker ready", worker_id=self.worker_id, model=self.model_id)
+        logger.info("worker ready", worker_id=self.worker_id, model=self.model_id, queue_shard=self.shard)
 
     # --- supervision -------------------------------------------------------------------------
     def _engine_loop_ended(self, task: asyncio.Task) -> None:
@@ -190,7 +194,7 @@ class WorkerService:
                 await self.loop.flush()
                 unread = await self.loop.read_unread_inbox()
                 items, entries = self.loop.items_to_hand_back(unread)
-                await hand_back(self.redis, self.model_id, self.worker_id, items, entries)
+                await hand_back(self.redis, self.model_id, self.worker_id, items, entries, self.shard)
                 metrics.HANDED_BACK.inc(len(items))
                 logger.info("handed back", items=len(items), entries=len(entries),
                             request_ids=[i.request_id for i in items])

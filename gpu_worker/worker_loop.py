@@ -66,15 +66,15 @@ class WorkerLoop:
         engine: the engine (owned by this loop from now on).
         redis: client (socket timeout above IDLE_BLOCK_MS).
         model: model id; worker_id: this worker; events_ttl_s: TTL of event streams.
-        max_inbox_batches: inbox entries per read.
+        max_inbox_batches: inbox entries per read. shard: the queue cell the worker joined.
     """
 
     def __init__(self, engine: LLMEngine, redis: aioredis.Redis, model: str, worker_id: str,
-                 events_ttl_s: int, max_inbox_batches: int) -> None:
+                 events_ttl_s: int, max_inbox_batches: int, shard: int = 0) -> None:
         self.engine = engine
         self.redis = redis
-        self.inbox = Inbox(redis, model, worker_id)
-        self.publisher = EventPublisher(redis, model, worker_id, events_ttl_s)
+        self.inbox = Inbox(redis, model, worker_id, shard)
+        self.publisher = EventPublisher(redis, model, worker_id, events_ttl_s, shard)
         self.max_inbox_batches = max_inbox_batches
         self.state = LoopState()
         self.accepting = True

@@ -7,11 +7,19 @@ runs on Redis Cluster:
     llmserve:{m:<model>}:inbox:<worker_id>   a worker's inbox stream of batches
     llmserve:{m:<model>}:workers             hash worker_id -> WorkerHeartbeat bytes
     llmserve:{m:<model>}:inboxes             set of worker ids the batcher wrote an inbox for
+    llmserve:{m:<model>:<k>}:...             the same four, for queue shard k >= 1
     llmserve:{r:<tenant>:<id>}:events        per-request token-event stream (TTL)
     llmserve:{r:<tenant>:<id>}:cancel        exists once the request is cancelled
     llmserve:{r:<tenant>:<id>}:meta          hash: owner, created, state (TTL, renewed by event writes)
     llmserve:{r:<tenant>:<id>}:epoch         hash: issued, fence (fencing tokens, see llmserve/fencing.py)
     llmserve:{t:<tenant>}:rate|tokens|leases per-tenant quota state
+
+Queue shards: one `{m:<model>}` slot carries all of a model's queue traffic, so on a
+cluster one shard would fill first. With `queue_shards` = K > 1 a model's queue is K
+independent cells, each with its own slot: cell k holds its work streams, its workers'
+inboxes and heartbeats. A worker joins one cell, the gateway puts each request in a cell
+that has live workers, and the batcher runs one batch loop per cell. Cell 0 keeps the
+unsharded names, so K = 1 is the same key space as before.
 """
 
 from __future__ import annotations
@@ -35,21 +43,26 @@ def priority_name(priority: int) -> str:
     return PRIORITY_NAMES.get(priority, "normal")
 
 
-def work_stream(model: str, priority: int) -> str:
-    return f"{PREFIX}:{{m:{model}}}:work:{priority_name(priority)}"
+def queue_tag(model: str, shard: int = 0) -> str:
+    """The hash tag of one queue cell of `model` (see the module docstring)."""
+    return f"{{m:{model}}}" if shard == 0 else f"{{m:{model}:{shard}}}"
 
 
-def inbox_stream(model: str, worker_id: str) -> str:
-    return f"{PREFIX}:{{m:{model}}}:inbox:{worker_id}"
+def work_stream(model: str, priority: int, shard: int = 0) -> str:
+    return f"{PREFIX}:{queue_tag(model, shard)}:work:{priority_name(priority)}"
 
 
-def workers_hash(model: str) -> str:
-    return f"{PREFIX}:{{m:{model}}}:workers"
+def inbox_stream(model: str, worker_id: str, shard: int = 0) -> str:
+    return f"{PREFIX}:{queue_tag(model, shard)}:inbox:{worker_id}"
 
 
-def inboxes_set(model: str) -> str:
+def workers_hash(model: str, shard: int = 0) -> str:
+    return f"{PREFIX}:{queue_tag(model, shard)}:workers"
+
+
+def inboxes_set(model: str, shard: int = 0) -> str:
     """Worker ids that have (had) an inbox; the batcher scans it to reclaim dead workers' batches."""
-    return f"{PREFIX}:{{m:{model}}}:inboxes"
+    return f"{PREFIX}:{queue_tag(model, shard)}:inboxes"
 
 
 def request_uid(tenant: str, request_id: str) -> str:

@@ -163,6 +163,8 @@ class CommonSettings(BaseSettings):
     reflection: bool = setting(True, "serve gRPC server reflection (turn it off on a public port)")
     health_port: int = setting(0, "extra plaintext port serving grpc.health.v1 only, for probes that cannot "
                                   "speak TLS (kubelet); 0 = none")
+    queue_shards: int = setting(1, "independent queue cells per model, each in its own Redis Cluster slot "
+                                   "(gateways, batchers and workers must agree; see llmserve/keys.py)")
 
     def validate(self) -> None:
         super().validate()
@@ -172,6 +174,7 @@ class CommonSettings(BaseSettings):
         require(self.log_level in ("debug", "info", "warning", "error"), "log_level",
                 "must be debug, info, warning or error")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        require(1 <= self.queue_shards <= 1024, "queue_shards", "must be in 1..1024")
         require(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",
                 "must start with redis://, rediss:// or unix://")
         require(bool(self.tls_cert) == bool(self.tls_key), "tls_cert",

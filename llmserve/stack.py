@@ -32,6 +32,9 @@ logger = structlog.get_logger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TENANTS = REPO_ROOT / "deploy" / "tenants.dev.yaml"
+# LLMSERVE_* variables the children inherit: the model cache, and the queue cell count that
+# gateways, batchers and workers must agree on. Other LLMSERVE_* settings go by flags.
+_PASSED_ENV = ("LLMSERVE_CACHE_DIR", "LLMSERVE_QUEUE_SHARDS")
 # Order in which services stop: the front door first, so nothing new arrives.
 STOP_ORDER = ("gateway", "batcher", "gpu_worker", "tokenizer_svc")
 
@@ -201,13 +204,18 @@ class Stack:
     def tokenizer_target(self) -> str:
         return self.services["tokenizer_svc"].target
 
+    @property
+    def queue_shards(self) -> int:
+        """The queue cells per model the services run with (llmserve/keys.py)."""
+        return int(self._env().get("LLMSERVE_QUEUE_SHARDS", "1"))
+
     def named(self, prefix: str) -> list[ServiceProcess]:
         return [s for n, s in self.services.items() if n.startswith(prefix)]
 
     # -- start -----------------------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
         """The children's environment; the Redis URL (it may hold a password) travels here, never in argv."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_") or k == "LLMSERVE_CACHE_DIR"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_") or k in _PASSED_ENV}
         env["REDIS_URL"] = self.redis_url
         env.update(self.config.extra_env)
         env.setdefault("PYTHONUNBUFFERED", "1")

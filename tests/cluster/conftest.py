@@ -1,5 +1,6 @@
 """The cluster suite: a real three-master Valkey Cluster (tests/cluster/valkey_cluster.py) and
-one whole stack on it (2 workers, 2 gateways, pointed at one node), shared by the tests of a module.
+one whole stack on it (2 workers, 2 gateways, pointed at one node, the queue split in two cells
+so each worker's cell has its own slot), shared by the tests of a module.
 
 Overrides the session fixtures of tests/conftest.py for this directory: `valkey`, `redis_url`
 and `clean_redis` are the cluster's, `stack` is the cluster stack, so existing tests imported
@@ -17,6 +18,7 @@ from llmserve import redis_client
 from llmserve.stack import Stack, StackConfig
 
 CLUSTER_TENANTS = Path(__file__).resolve().parent / "tenants.cluster.yaml"
+QUEUE_SHARDS = 2
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +51,8 @@ def clean_redis(valkey_cluster):
 def stack(valkey_cluster, tmp_path_factory):
     """The whole stack on the cluster: every service gets REDIS_URL = the first node only."""
     config = StackConfig(workers=2, gateways=2, device="cpu", port=0, tenants=CLUSTER_TENANTS,
-                         redis_url=valkey_cluster.url, log_dir=tmp_path_factory.mktemp("cluster-stack"))
+                         redis_url=valkey_cluster.url, log_dir=tmp_path_factory.mktemp("cluster-stack"),
+                         extra_env={"LLMSERVE_QUEUE_SHARDS": str(QUEUE_SHARDS)})
     running = Stack(config).start()
     yield running
     running.close()

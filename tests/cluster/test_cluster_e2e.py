@@ -2,7 +2,9 @@
 whose services were given one node's URL and found the others themselves.
 
 The Paris, batch-invariance, cancel and resume tests are the e2e suite's own, imported and run
-here on the cluster stack (tests/cluster/conftest.py overrides `stack`). The last test checks
+here on the cluster stack (tests/cluster/conftest.py overrides `stack`), whose queue is two cells
+(llmserve/keys.py): each worker joins its own, requests spread over both, and the kill -9 of a
+worker leaves its cell with no worker, so its work must move to the other cell. The last test checks
 that nothing crossed a hash slot: no CROSSSLOT reply on any node, no failed script or MULTI,
 no cross-slot refusal by the client in any service's log, and traffic on every node.
 """
@@ -54,9 +56,27 @@ def stubs(stack) -> list[inference_pb2_grpc.InferenceStub]:
     return [inference_pb2_grpc.InferenceStub(grpc.insecure_channel(t)) for t in stack.gateway_targets[:2]]
 
 
-def test_both_workers_heartbeat_into_the_cluster(stack, valkey_client):
-    beats = valkey_client.hgetall(keys.workers_hash(stack.model_id))
-    assert {k.decode() for k in beats} == {"gpu_worker-0", "gpu_worker-1"}
+def test_both_workers_heartbeat_into_the_cluster_each_in_its_own_cell(stack, valkey_client):
+    cells = worker_cells(valkey_client, stack)
+    assert set(cells) == {"gpu_worker-0", "gpu_worker-1"} and set(cells.values()) == {0, 1}, cells
+    slots = {valkey_client.keyslot(keys.workers_hash(stack.model_id, shard)) for shard in (0, 1)}
+    assert len(slots) == 2
+
+
+def test_requests_spread_over_both_cells(stack, inference, auth_metadata, valkey_client):
+    rids = [f"cells-{i}-{uuid.uuid4().hex[:6]}" for i in range(16)]
+    for rid in rids:
+        inference.Complete(pb.GenerateRequest(prompt="Hi", request_id=rid, sampling=pb.SamplingParams(
+            max_new_tokens=1, temperature=0.0)), metadata=auth_metadata, timeout=120)
+    work_keys = [valkey_client.hget(keys.request_meta("dev", rid), "work_key").decode() for rid in rids]
+    used = {shard for shard in (0, 1) for k in work_keys if keys.queue_tag(stack.model_id, shard) in k}
+    assert used == {0, 1}, work_keys
+
+
+def worker_cells(client, stack) -> dict[str, int]:
+    """Worker id -> the queue cell whose heartbeat hash holds it."""
+    return {k.decode(): shard for shard in range(stack.queue_shards)
+            for k in client.hkeys(keys.workers_hash(stack.model_id, shard))}
 
 
 def test_quotas_hold_across_two_gateways(stack):
@@ -95,7 +115,9 @@ def test_kill9_of_a_worker_loses_nothing(stack, valkey_client):
     baseline = load.run("cluster-base")
     running = load.start("cluster-kill9")
     running.wait_started(4)
-    pending = {w.name: inbox_pending(valkey_client, stack.model_id, w.name) for w in stack.named("gpu_worker-")}
+    cells = worker_cells(valkey_client, stack)
+    pending = {w.name: inbox_pending(valkey_client, stack.model_id, w.name, cells[w.name])
+               for w in stack.named("gpu_worker-")}
     victim = max(pending, key=pending.get)
     assert pending[victim] > 0, pending
     stack.kill(victim)
@@ -103,9 +125,9 @@ def test_kill9_of_a_worker_loses_nothing(stack, valkey_client):
     assert mismatches(records, baseline) == []
 
 
-def inbox_pending(client, model_id: str, worker: str) -> int:
+def inbox_pending(client, model_id: str, worker: str, shard: int) -> int:
     try:
-        return int(client.xpending(keys.inbox_stream(model_id, worker), keys.INBOX_GROUP)["pending"])
+        return int(client.xpending(keys.inbox_stream(model_id, worker, shard), keys.INBOX_GROUP)["pending"])
     except redis.ResponseError:   # no stream or group yet
         return 0
 

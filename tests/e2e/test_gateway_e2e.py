@@ -34,8 +34,9 @@ def valkey_client(stack):
     client.close()
 
 
-def running_sequences(client, model_id) -> int:
-    beats = [queue_pb2.WorkerHeartbeat.FromString(v) for v in client.hgetall(keys.workers_hash(model_id)).values()]
+def running_sequences(client, model_id, queue_shards: int = 1) -> int:
+    beats = [queue_pb2.WorkerHeartbeat.FromString(v) for shard in range(queue_shards)
+             for v in client.hgetall(keys.workers_hash(model_id, shard)).values()]
     return sum(b.running + b.waiting for b in beats)
 
 
@@ -56,12 +57,12 @@ def test_cancel_rpc_stops_the_workers_sequence(inference, auth_metadata, valkey_
     rid = "e2e-cancel-" + uuid.uuid4().hex[:8]
     call = inference.Generate(story(rid), metadata=auth_metadata, timeout=300)
     chunks = [next(call) for _ in range(3)]
-    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id) >= 1, 30)
+    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) >= 1, 30)
     inference.Cancel(pb.CancelRequest(request_id=rid), metadata=auth_metadata, timeout=10)
     chunks += list(call)
     assert chunks[-1].finish_reason == pb.FINISH_REASON_CANCELLED
     assert chunks[-1].usage.completion_tokens < GREEDY_LONG.max_new_tokens
-    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id) == 0)
+    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) == 0)
 
 
 def test_disconnect_stops_the_workers_sequence(inference, auth_metadata, valkey_client, stack):
@@ -70,7 +71,7 @@ def test_disconnect_stops_the_workers_sequence(inference, auth_metadata, valkey_
     next(call)
     call.cancel()
     assert wait_until(lambda: valkey_client.exists(keys.cancel_key("dev", rid)) == 1, 30)
-    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id) == 0)
+    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) == 0)
 
 
 def test_deadline_exceeded_in_time_and_worker_stops(inference, auth_metadata, valkey_client, stack):
@@ -79,7 +80,7 @@ def test_deadline_exceeded_in_time_and_worker_stops(inference, auth_metadata, va
         list(inference.Generate(story("e2e-deadline-" + uuid.uuid4().hex[:8]), metadata=auth_metadata, timeout=2.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 30
-    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id) == 0)
+    assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) == 0)
 
 
 def test_resume_after_kill_9_of_gateway_mid_stream(inference, auth_metadata, stack):

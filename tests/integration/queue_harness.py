@@ -30,47 +30,49 @@ def make_item(request_id: str, tenant: str = "t", *, model: str = MODEL, prompt_
         events_key=keys.events_stream(tenant, request_id), cancel_key=keys.cancel_key(tenant, request_id))
 
 
-def enqueue(client: redis.Redis, *items: queue_pb2.WorkItem) -> None:
-    """XADD items to their work streams, all in one MULTI (a batcher sees all or none)."""
+def enqueue(client: redis.Redis, *items: queue_pb2.WorkItem, shard: int = 0) -> None:
+    """XADD items to their work streams (of queue cell `shard`), all in one MULTI (a batcher sees
+    all or none)."""
     pipe = client.pipeline(transaction=True)
     for item in items:
-        pipe.xadd(keys.work_stream(item.model, item.priority or inference_pb2.PRIORITY_NORMAL),
+        pipe.xadd(keys.work_stream(item.model, item.priority or inference_pb2.PRIORITY_NORMAL, shard),
                   queue.item_entry(item))
     pipe.execute()
 
 
 def heartbeat(client: redis.Redis, worker_id: str, *, model: str = MODEL, free_blocks: int = 100_000,
               total_blocks: int | None = None, block_size: int = 16, running: int = 0, max_running: int = 4096,
-              draining: bool = False, sent_unix_ms: int | None = None, cached_prefix_hashes: list[int] = ()) -> None:
+              draining: bool = False, sent_unix_ms: int | None = None, cached_prefix_hashes: list[int] = (),
+              shard: int = 0) -> None:
     hb = queue_pb2.WorkerHeartbeat(
         worker_id=worker_id, model=model, free_blocks=free_blocks,
         total_blocks=free_blocks if total_blocks is None else total_blocks, block_size=block_size,
         running=running, max_running=max_running, draining=draining,
         sent_unix_ms=now_ms() if sent_unix_ms is None else sent_unix_ms, cached_prefix_hashes=cached_prefix_hashes)
-    client.hset(keys.workers_hash(model), worker_id, hb.SerializeToString())
+    client.hset(keys.workers_hash(model, shard), worker_id, hb.SerializeToString())
 
 
-def ensure_inbox(client: redis.Redis, worker_id: str, model: str = MODEL) -> None:
+def ensure_inbox(client: redis.Redis, worker_id: str, model: str = MODEL, shard: int = 0) -> None:
     try:
-        client.xgroup_create(keys.inbox_stream(model, worker_id), keys.INBOX_GROUP, id="0", mkstream=True)
+        client.xgroup_create(keys.inbox_stream(model, worker_id, shard), keys.INBOX_GROUP, id="0", mkstream=True)
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
 
 
 def read_inbox(client: redis.Redis, worker_id: str, model: str = MODEL,
-               count: int = 1000) -> list[tuple[str, queue_pb2.Batch]]:
+               count: int = 1000, shard: int = 0) -> list[tuple[str, queue_pb2.Batch]]:
     """New batches in the worker's inbox, read as the worker (they become pending on it)."""
-    ensure_inbox(client, worker_id, model)
-    reply = client.xreadgroup(keys.INBOX_GROUP, worker_id, {keys.inbox_stream(model, worker_id): ">"},
+    ensure_inbox(client, worker_id, model, shard)
+    reply = client.xreadgroup(keys.INBOX_GROUP, worker_id, {keys.inbox_stream(model, worker_id, shard): ">"},
                               count=count)
     return [(entry_id.decode(), queue.decode_batch(fields))
             for _, entries in reply or [] for entry_id, fields in entries]
 
 
-def peek_inbox(client: redis.Redis, worker_id: str, model: str = MODEL) -> list[queue_pb2.Batch]:
+def peek_inbox(client: redis.Redis, worker_id: str, model: str = MODEL, shard: int = 0) -> list[queue_pb2.Batch]:
     """Every batch entry still in the inbox stream, without reading it as a consumer."""
-    entries = client.xrange(keys.inbox_stream(model, worker_id))
+    entries = client.xrange(keys.inbox_stream(model, worker_id, shard))
     return [queue.decode_batch(fields) for _, fields in entries]
 
 
@@ -90,6 +92,6 @@ def events(client: redis.Redis, item: queue_pb2.WorkItem) -> list[queue_pb2.Toke
     return [queue.decode_event(fields) for _, fields in client.xrange(item.events_key)]
 
 
-def pending_work(client: redis.Redis, model: str = MODEL) -> int:
-    """Items still on the work streams (undelivered or pending on a batcher)."""
-    return sum(client.xlen(keys.work_stream(model, p)) for p in keys.PRIORITY_ORDER)
+def pending_work(client: redis.Redis, model: str = MODEL, shard: int = 0) -> int:
+    """Items still on the work streams of a queue cell (undelivered or pending on a batcher)."""
+    return sum(client.xlen(keys.work_stream(model, p, shard)) for p in keys.PRIORITY_ORDER)

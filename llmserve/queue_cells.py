@@ -1,0 +1,82 @@
+"""Queue cells: which of a model's `queue_shards` cells a worker joins and a request goes to.
+
+A model's queue is `queue_shards` independent cells (llmserve/keys.py), each in its own
+Redis Cluster slot, so no single shard carries all of a model's queue traffic. Each cell
+is a whole queue: work streams with their priorities, a batch loop with its tenant
+fairness, and the workers that joined it. The two choices that keep cells balanced:
+
+    worker start:  join the cell with the fewest live workers (ties: the lowest index)
+    request:       a cell chosen with probability ∝ its live workers, seeded by the
+                   request's uid (a retry lands in the same cell); cell 0 when no cell
+                   has one (the first worker to start joins cell 0)
+
+So every cell's queue is fed in proportion to the workers that drain it, and priorities
+and fairness hold inside each cell, over a uniform sample of the traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from llmserve import keys
+from llmserve.clock import now_ms
+from llmserve.v1 import queue_pb2
+
+# A heartbeat older than this is a silent worker (the batcher's default heartbeat_ttl_ms).
+LIVE_WITHIN_MS = 3000
+
+
+async def live_workers(redis: aioredis.Redis, model: str, shards: int) -> list[int]:
+    """Live, non-draining workers per cell (one pipelined round trip)."""
+    pipe = redis.pipeline(transaction=False)
+    for shard in range(shards):
+        pipe.hvals(keys.workers_hash(model, shard))
+    stamp = now_ms()
+    return [sum(_live(raw, stamp) for raw in values) for values in await pipe.execute()]
+
+
+def cell_to_join(counts: Sequence[int]) -> int:
+    """The cell a starting worker joins: the one with the fewest live workers."""
+    return min(range(len(counts)), key=lambda k: (counts[k], k))
+
+
+def cell_for_request(counts: Sequence[int], request_uid: str) -> int:
+    """A cell with probability ∝ its live workers, the same one for the same request uid."""
+    total = sum(counts)
+    if total == 0:
+        return 0
+    point = int.from_bytes(hashlib.blake2b(request_uid.encode(), digest_size=8).digest(), "big") % total
+    for shard, count in enumerate(counts):
+        if point < count:
+            return shard
+        point -= count
+    raise AssertionError("unreachable: point < total")
+
+
+class CellChooser:
+    """The gateway's side: `cell_for_request` over live-worker counts read at most every `refresh_s`."""
+
+    def __init__(self, redis: aioredis.Redis, shards: int, refresh_s: float = 0.5) -> None:
+        self.redis, self.shards, self.refresh_s = redis, shards, refresh_s
+        self._counts: dict[str, tuple[float, list[int]]] = {}
+
+    async def choose(self, model: str, request_uid: str) -> int:
+        if self.shards == 1:
+            return 0
+        read_at, counts = self._counts.get(model, (0.0, []))
+        if time.monotonic() - read_at >= self.refresh_s:
+            counts = await live_workers(self.redis, model, self.shards)
+            self._counts[model] = (time.monotonic(), counts)
+        return cell_for_request(counts, request_uid)
+
+
+def _live(raw: bytes, stamp: int) -> bool:
+    try:
+        beat = queue_pb2.WorkerHeartbeat.FromString(raw)
+    except Exception:  # noqa: BLE001 - DecodeError and friends: an undecodable heartbeat is no worker
+        return False
+    return not beat.draining and stamp - beat.sent_unix_ms < LIVE_WITHIN_MS
