@@ -14,6 +14,9 @@ from llmserve import model_store
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEV_API_KEY = "dev-key"  # the key of deploy/tenants.dev.yaml, for local use only
+# Where `up` records the Redis it started (or was given), for admin commands run from this directory.
+STATE_DIR = Path(".llmserve")
+REDIS_URL_FILE = STATE_DIR / "redis-url"
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -23,17 +26,19 @@ def _up(args: argparse.Namespace) -> int:
 
     configure_logging("llmserve-up")
     log_dir = Path(args.log_dir) if args.log_dir else Path(".llmserve") / "logs"
+    models_file = Path(args.models) if args.models else None
     config = StackConfig(model=args.model, workers=args.workers, gateways=args.gateways, device=args.device,
-                         quantization=args.quantization,
+                         models_file=models_file, quantization=args.quantization,
                          port=args.port, http_port=args.http_port, tenants=Path(args.tenants),
                          redis_url=os.environ.get("REDIS_URL") or None, log_dir=log_dir)
     stop, roll = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: roll.set())
-    print(f"starting llmserve (model {args.model}, {args.workers} worker(s), device {args.device}); "
-          f"logs in {log_dir}/", flush=True)
+    what = f"models of {models_file}" if models_file else f"model {args.model}, {args.workers} worker(s)"
+    print(f"starting llmserve ({what}, device {args.device}); logs in {log_dir}/", flush=True)
     stack = Stack(config).start()
+    _record_redis_url(stack.redis_url)
     supervisor = Supervisor(stack, say=lambda text: print(text, file=sys.stderr, flush=True))
     try:
         print(f"\nllmserve is up: gateway at {stack.gateway_target}  (Redis {redact_url(stack.redis_url)})")
@@ -50,7 +55,70 @@ def _up(args: argparse.Namespace) -> int:
         print("stopping...", flush=True)
         supervisor.stop()
         codes = stack.stop()
+        REDIS_URL_FILE.unlink(missing_ok=True)
         print("stopped: " + ", ".join(f"{name}={code}" for name, code in codes.items()), flush=True)
+    return 0
+
+
+def _record_redis_url(url: str) -> None:
+    """.llmserve/redis-url, readable by this user only (the URL may carry a password)."""
+    STATE_DIR.mkdir(exist_ok=True)
+    fd = os.open(REDIS_URL_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(url + "\n")
+
+
+def admin_redis_url(flag: str | None) -> str:
+    """--redis-url, else REDIS_URL, else the Redis `llmserve up` recorded in this directory."""
+    url = flag or os.environ.get("REDIS_URL")
+    if url:
+        return url
+    if REDIS_URL_FILE.exists():
+        return REDIS_URL_FILE.read_text().strip()
+    raise SystemExit(f"llmserve: no Redis to talk to: give --redis-url or REDIS_URL, or run this where "
+                     f"`llmserve up` runs (it records its Redis in {REDIS_URL_FILE})")
+
+
+def parse_targets(pairs: list[str]) -> dict[str, int]:
+    """TARGET=WEIGHT arguments as a mapping; the weights' range is checked by llmserve.routes."""
+    weights: dict[str, int] = {}
+    for pair in pairs:
+        target, sep, raw = pair.rpartition("=")
+        if not sep or not target:
+            raise SystemExit(f"llmserve route: {pair!r} is not TARGET=WEIGHT")
+        if target in weights:
+            raise SystemExit(f"llmserve route: {target} given twice")
+        try:
+            weights[target] = int(raw)
+        except ValueError:
+            raise SystemExit(f"llmserve route: weight of {target} must be an integer, not {raw!r}") from None
+    return weights
+
+
+def _route(args: argparse.Namespace) -> int:
+    from llmserve import redis_client, routes
+    from llmserve.models_file import ModelsFileError
+
+    client = redis_client.connect_sync(admin_redis_url(args.redis_url))
+    try:
+        if args.targets:
+            try:
+                weights = routes.set_weights(client, args.alias, parse_targets(args.targets))
+            except ModelsFileError as exc:
+                print(f"llmserve route: {exc}", file=sys.stderr)
+                return 2
+        else:
+            stored = routes.get_weights(client, args.alias)
+            if stored is None:
+                print(f"llmserve route: no weights for alias {args.alias!r}", file=sys.stderr)
+                return 1
+            weights = stored
+    finally:
+        client.close()
+    total = sum(weights.values()) or 1
+    print(f"{args.alias}:")
+    for target, weight in sorted(weights.items()):
+        print(f"  {target}={weight}  ({100 * weight / total:.1f} %)")
     return 0
 
 
@@ -111,10 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--gateways", type=int, default=1, help="number of gateway processes")
     up.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     up.add_argument("--model", default=model_store.DEFAULT_MODEL, help="model path or smollm2-135m")
+    up.add_argument("--models", default=os.environ.get("LLMSERVE_MODELS", ""),
+                    help="models file: versions NAME@VERSION with workers, aliases with weights, a default "
+                         "(env LLMSERVE_MODELS); replaces --model and --workers")
     up.add_argument("--quantization", default="",
                     help="workers' weight format (see python -m gpu_worker --help); default: the worker's")
     up.add_argument("--log-dir", default="", help="where service logs go (default .llmserve/logs)")
     up.set_defaults(func=_up)
+
+    route = sub.add_parser("route", help="show or set, fleet-wide, the weights of an alias's versions")
+    route.add_argument("alias")
+    route.add_argument("targets", nargs="*", metavar="TARGET=WEIGHT",
+                       help="e.g. smollm2-135m@v1=100 (omitted targets get no traffic); none: print the weights")
+    route.add_argument("--redis-url", default=None,
+                       help="Redis URL (default: REDIS_URL, else the Redis `llmserve up` recorded in .llmserve/)")
+    route.set_defaults(func=_route)
 
     gen = sub.add_parser("generate", help="stream an answer from the gateway")
     gen.add_argument("prompt")

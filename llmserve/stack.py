@@ -25,7 +25,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve import model_store
+from llmserve import model_store, redis_client, routes
+from llmserve.models_file import ModelsConfig, ServedModel, from_specs, load_models_file
 from llmserve.valkey import ValkeyServer
 
 logger = structlog.get_logger(__name__)
@@ -43,6 +44,7 @@ STOP_ORDER = ("gateway", "batcher", "gpu_worker", "tokenizer_svc")
 class StackConfig:
     model: str = model_store.DEFAULT_MODEL
     workers: int = 1
+    models_file: Path | None = None   # versions and aliases (llmserve/models_file.py); then model/workers are unused
     gateways: int = 1
     device: str = "auto"
     quantization: str = ""            # worker weight format (--quantization); "" = the worker's default
@@ -186,8 +188,11 @@ class Stack:
         self.valkey: ValkeyServer | None = None
         self.redis_url = config.redis_url or ""
         self.services: dict[str, ServiceProcess] = {}
-        self.model_path = model_store.resolve(config.model)
-        self.model_id = model_store.model_id(config.model)
+        self.models: ModelsConfig = load_models_file(config.models_file) if config.models_file else \
+            from_specs([config.model], config.workers)
+        self.model_path = model_store.resolve(self.models.models[0].spec)
+        self.model_id = self.models.ids[0]
+        self.worker_models: dict[str, str] = {}   # worker name -> the concrete model id it serves
         self._worker_seq = 0
         self._gateway_seq = 0
 
@@ -212,6 +217,14 @@ class Stack:
     def named(self, prefix: str) -> list[ServiceProcess]:
         return [s for n, s in self.services.items() if n.startswith(prefix)]
 
+    def workers_of(self, model_id: str) -> list[ServiceProcess]:
+        """The worker processes serving the concrete model `model_id`."""
+        return [self.services[n] for n, m in self.worker_models.items() if m == model_id]
+
+    def _models_flag(self, plain: str) -> str:
+        """A service's --models: the models file itself when there is one, else `plain`."""
+        return f"@{Path(self.config.models_file).resolve()}" if self.config.models_file else plain
+
     # -- start -----------------------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
         """The children's environment; the Redis URL (it may hold a password) travels here, never in argv."""
@@ -230,16 +243,20 @@ class Stack:
         return proc.start()
 
     def start_tokenizer(self) -> ServiceProcess:
-        return self._service("tokenizer_svc", "tokenizer_svc", ["--models", str(self.config.model)],
+        return self._service("tokenizer_svc", "tokenizer_svc", ["--models", self._models_flag(str(self.config.model))],
                              sticky_port=True)
 
     def start_batcher(self, name: str = "batcher") -> ServiceProcess:
-        return self._service(name, "batcher", ["--models", self.model_id])
+        return self._service(name, "batcher", ["--models", self._models_flag(self.model_id)])
 
-    def start_worker(self) -> ServiceProcess:
+    def start_worker(self, model: ServedModel | None = None) -> ServiceProcess:
+        """One more worker of `model` (default: the first model)."""
+        model = model or self.models.models[0]
         name = f"gpu_worker-{self._worker_seq}"
         self._worker_seq += 1
-        flags = ["--model", str(self.config.model), "--device", self.config.device, "--worker-id", name]
+        self.worker_models[name] = model.id
+        spec = str(self.config.model) if not self.config.models_file else model.spec
+        flags = ["--model", spec, "--device", self.config.device, "--worker-id", name]
         if self.config.quantization:
             flags += ["--quantization", self.config.quantization]
         return self._service(name, "gpu_worker", flags)
@@ -248,7 +265,7 @@ class Stack:
         name = f"gateway-{self._gateway_seq}"
         self._gateway_seq += 1
         flags = ["--tenants", str(self.config.tenants), "--tokenizer-target", self.tokenizer_target,
-                 "--models", str(self.config.model)]
+                 "--models", self._models_flag(str(self.config.model))]
         if self.config.http_port and name == "gateway-0":
             flags += ["--http-port", str(self.config.http_port), "--http-port-file", str(self._http_port_file(name))]
         return self._service(name, "gateway", flags, port, sticky_port=True)
@@ -275,9 +292,10 @@ class Stack:
                 data_dir = self.log_dir / "valkey" if self.config.redis_appendonly else None
                 self.valkey = ValkeyServer(appendonly=self.config.redis_appendonly, data_dir=data_dir).start()
                 self.redis_url = self.valkey.url
+            self.seed_routes()
             tokenizer = self.start_tokenizer()
             batcher = self.start_batcher()
-            workers = [self.start_worker() for _ in range(self.config.workers)]
+            workers = [self.start_worker(m) for m in self.models.models for _ in range(m.workers)]
             for proc in (tokenizer, batcher, *workers):
                 proc.wait_serving(deadline)
             for i in range(self.config.gateways):
@@ -286,6 +304,15 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def seed_routes(self) -> None:
+        """The models file's alias weights into Redis, over any earlier `llmserve route`: an `up`
+        starts from its file (gateways started later only seed aliases that have no weights)."""
+        client = redis_client.connect_sync(self.redis_url)
+        try:
+            routes.seed(client, self.models, overwrite=True)
+        finally:
+            client.close()
 
     # -- faults and stop -------------------------------------------------------------------------------
     def kill(self, name: str) -> None:
