@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmserve.settings import CommonSettings, require, setting
+from llmserve.models_file import ModelsConfig, ModelsFileError, from_setting
+from llmserve.settings import CommonSettings, SettingsError, require, setting
 
 
 @dataclass
@@ -13,7 +14,10 @@ class GatewaySettings(CommonSettings):
 
     tenants: str = setting("", "tenants YAML file (reloaded on SIGHUP)")
     tokenizer_target: str = setting("127.0.0.1:50052", "tokenizer_svc address HOST:PORT")
-    models: str = setting("smollm2-135m", "comma list of model specs (alias or path); the first is the default")
+    models: str = setting("smollm2-135m", "comma list of model specs (alias, path or ID=PATH; the first is the "
+                                          "default), or @FILE: a models file with versions and aliases")
+    route_refresh_ms: int = setting(250, "how often alias weights (llmserve route) and worker liveness are re-read")
+    worker_heartbeat_ttl_ms: int = setting(3000, "a worker whose heartbeat is older is not live for alias routing")
     default_max_new_tokens: int = setting(256, "max_new_tokens when the request leaves it unset (capped by tenant)")
     max_prompt_bytes: int = setting(1_000_000, "largest prompt (or sum of message contents) in UTF-8 bytes")
     max_messages: int = setting(512, "most chat messages per request")
@@ -42,7 +46,10 @@ class GatewaySettings(CommonSettings):
     def validate(self) -> None:
         super().validate()
         require(bool(self.tenants), "tenants", "a tenants file is required (--tenants or LLMSERVE_TENANTS)")
-        require(bool(self.model_specs()), "models", "at least one model")
+        self.models_config()
+        require(50 <= self.route_refresh_ms <= 1000, "route_refresh_ms", "must be in 50..1000 (a route change "
+                                                                           "reaches every gateway within it)")
+        require(self.worker_heartbeat_ttl_ms > 0, "worker_heartbeat_ttl_ms", "must be > 0")
         require(":" in self.tokenizer_target, "tokenizer_target", "must be HOST:PORT")
         require(self.default_max_new_tokens >= 1, "default_max_new_tokens", "must be >= 1")
         require(self.queue_max_depth >= 1, "queue_max_depth", "must be >= 1")
@@ -56,5 +63,11 @@ class GatewaySettings(CommonSettings):
         require(self.max_message_bytes > self.max_prompt_bytes, "max_message_bytes",
                 "must exceed max_prompt_bytes so oversize prompts get INVALID_ARGUMENT, not a transport error")
 
-    def model_specs(self) -> list[str]:
-        return [m.strip() for m in self.models.split(",") if m.strip()]
+    def models_config(self) -> ModelsConfig:
+        """The served models and aliases; SettingsError when the list or file cannot be used."""
+        try:
+            config = from_setting(self.models)
+        except ModelsFileError as exc:
+            raise SettingsError(f"invalid setting models: {exc}") from None
+        require(bool(config.models), "models", "at least one model")
+        return config

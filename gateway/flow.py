@@ -32,6 +32,7 @@ from gateway.models import ModelCatalog, ModelInfo
 from gateway.output import OutputBuilder
 from gateway.quota import Limits, Quota
 from gateway.request_state import Call, Meta, StreamOutcome
+from gateway.routing import Router
 from gateway.shedding import Shedder
 from gateway.streams import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
@@ -47,6 +48,7 @@ from llmserve.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from llmserve.log import bind_model
 from llmserve.queue_cells import CellChooser
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
@@ -74,11 +76,12 @@ class Flow:
     """Runs requests; owns no per-request state (that lives in `Call` and locals)."""
 
     def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, blocking: aioredis.Redis,
-                 catalog: ModelCatalog, quota: Quota) -> None:
+                 catalog: ModelCatalog, quota: Quota, router: Router) -> None:
         self.settings = settings
         self.redis = redis
         self.blocking = blocking
         self.catalog = catalog
+        self.router = router
         self.quota = quota
         self.shedder = Shedder(redis, settings.queue_max_depth, settings.high_reserved_share, settings.queue_shards)
         self.cells = CellChooser(redis, settings.queue_shards)
@@ -105,6 +108,7 @@ class Flow:
                                 ("x-ratelimit-remaining-tokens", str(rem_tok))]
             if meta is None:  # claimed by a concurrent submit that has not finished (or failed): retry
                 raise Unavailable(f"request {call.request_id} is being submitted; retry to attach")
+            self._served(call, meta.model)  # a resume stays on the version it started on
             async for chunk in self._stream(call, meta):
                 yield chunk
 
@@ -116,11 +120,21 @@ class Flow:
 
     # -- admission -----------------------------------------------------------------------------------------
     def model_for(self, call: Call, request) -> ModelInfo:
-        """The served model a request names, if its tenant may use it."""
-        model = self.catalog.get(request.model)
-        if not call.tenant.may_use(model.id):
-            raise PermissionDenied(f"tenant {call.tenant.id} may not use model {model.id}")
-        return model
+        """The concrete model serving a request (alias by weight, or the pinned version), if its
+        tenant may use both the name it asked for and that concrete id."""
+        route = self.router.route(request.model, call.model_version, call.request_id)
+        for name in dict.fromkeys((route.requested, route.model)):
+            if not call.tenant.may_use(name):
+                raise PermissionDenied(f"tenant {call.tenant.id} may not use model {name}")
+        self._served(call, route.model)
+        return self.catalog.get(route.model)
+
+    @staticmethod
+    def _served(call: Call, model: str) -> None:
+        """Record the concrete model: x-served-model header, `model` on every later log line."""
+        call.served_model = model
+        call.headers = [h for h in call.headers if h[0] != "x-served-model"] + [("x-served-model", model)]
+        bind_model(model)
 
     async def _submit(self, call: Call, request: pb.GenerateRequest) -> Meta | None:
         arrival = now_ms()

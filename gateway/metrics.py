@@ -8,6 +8,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 REQUESTS = Counter("llmserve_gateway_requests_total", "RPCs by method, tenant and status code",
                    ["method", "tenant", "code"])
+# By concrete model (NAME@VERSION), not tenant: a canary's error rate beside its stable version's.
+MODEL_REQUESTS = Counter("llmserve_gateway_model_requests_total",
+                         "Generate/Complete (gRPC and HTTP) by served model and status code", ["model", "code"])
 REJECTIONS = Counter("llmserve_gateway_rejections_total", "admission refusals by tenant and reason",
                      ["tenant", "reason"])
 TTFT = Histogram("llmserve_gateway_ttft_seconds", "arrival to first token", ["model"], buckets=_LATENCY_BUCKETS)

@@ -1,4 +1,4 @@
-"""What the gateway knows about each model, fetched from tokenizer_svc at start-up:
+"""What the gateway knows about each concrete model, fetched from tokenizer_svc at start-up:
 the tokenizer (for local incremental detokenization), EOS ids and context length.
 Encode calls go to tokenizer_svc with a deadline and jittered retries.
 """
@@ -12,8 +12,7 @@ import grpc
 import structlog
 from tokenizers import Tokenizer
 
-from llmserve import model_store
-from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.errors import NotFound, Unavailable
 from llmserve.retry import remaining, retrying
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -32,9 +31,8 @@ class ModelInfo:
 class ModelCatalog:
     """Model id → ModelInfo, plus the tokenizer_svc client."""
 
-    def __init__(self, specs: list[str], tokenizer_target: str, timeout_s: float = 5.0) -> None:
-        self.ids = [model_store.model_id(spec) for spec in specs]
-        self.default_id = self.ids[0]
+    def __init__(self, ids: list[str], tokenizer_target: str, timeout_s: float = 5.0) -> None:
+        self.ids = list(ids)
         self.timeout_s = timeout_s
         self.target = tokenizer_target
         # round_robin: a headless Service's DNS name resolves to every tokenizer pod; the default
@@ -75,11 +73,10 @@ class ModelCatalog:
                 raise Unavailable(f"{self.target} did not answer within {self.timeout_s} s") from exc
             raise
 
-    def get(self, model: str) -> ModelInfo:
-        """The served model `model` (empty = default); INVALID_ARGUMENT for one this gateway does not serve."""
-        model_id = model or self.default_id
+    def get(self, model_id: str) -> ModelInfo:
+        """The concrete model `model_id` (gateway.routing resolves aliases); NOT_FOUND for one not served."""
         if model_id not in self.ids:
-            raise InvalidArgument("model", f"unknown model {model_id!r}; ListModels lists the served ones")
+            raise NotFound(f"unknown model {model_id!r}; ListModels lists the served ones")
         info = self.models.get(model_id)
         if info is None:
             raise Unavailable(f"model {model_id} is not ready (tokenizer_svc not reached yet)")
@@ -99,8 +96,11 @@ class ModelCatalog:
         return list(reply.token_ids)
 
     def list(self) -> list[pb.ModelInfo]:
-        return [pb.ModelInfo(id=m, context_length=self.models[m].context_length if m in self.models else 0)
-                for m in self.ids]
+        """The concrete models (ListModels adds the aliases)."""
+        return [pb.ModelInfo(id=m, context_length=self.context_length(m)) for m in self.ids]
+
+    def context_length(self, model_id: str) -> int:
+        return self.models[model_id].context_length if model_id in self.models else 0
 
     async def close(self) -> None:
         await self.channel.close()

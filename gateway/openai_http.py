@@ -101,7 +101,7 @@ class OpenAIHttp:
             call = self._call(request)
             data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llmserve",
                      "context_length": m.context_length}
-                    for m in self.service.catalog.list() if call.tenant.may_use(m.id)]
+                    for m in self.service.model_infos() if call.tenant.may_use(m.id)]
             return JSONResponse({"object": "list", "data": data}, headers={"x-request-id": call.request_id})
         except ServiceError as exc:
             return _error_response(exc, "-")
@@ -119,10 +119,10 @@ class OpenAIHttp:
         bind_request(request_id, "")
         tenant = self.service.tenants.authenticate({"authorization": request.headers.get("authorization", "")})
         bind_request(request_id, tenant.id)
-        return Call(tenant, request_id, None)
+        return Call(tenant, request_id, None, model_version=request.headers.get("x-model-version", "").strip())
 
     async def _generate(self, request: Request, method: str, parse, kind: str) -> Response:
-        tenant, request_id = "-", ""
+        tenant, request_id, call = "-", "", None
         try:
             call = self._call(request)
             tenant, request_id = call.tenant.id, call.request_id
@@ -130,23 +130,23 @@ class OpenAIHttp:
             parsed.request.request_id = call.request_id
             if parsed.user:
                 logger.info("openai request", user=parsed.user, stream=parsed.stream)
-            model = self.service.flow.model_for(call, parsed.request).id
             chunks = self.service.flow.generate(call, parsed.request)
             first = await anext(chunks)      # admission errors become HTTP statuses, not a 200 stream
-            shape = _Shape(kind, call.request_id, model, int(time.time()))
+            shape = _Shape(kind, call.request_id, call.served_model, int(time.time()))
             headers = {"x-request-id": call.request_id, **dict(call.headers)}
             if parsed.stream:
-                events = self._sse(chunks, first, shape, parsed, method, tenant)
+                events = self._sse(chunks, first, shape, parsed, method, call)
                 return EventSourceResponse(events, headers=headers, ping=15)
             reply = await _collect(chunks, first)
-            metrics.REQUESTS.labels(method, tenant, "OK").inc()
+            _count(method, call, "OK")
             return JSONResponse(shape.whole(reply), headers=headers)
         except (ServiceError, StopAsyncIteration) as exc:
-            metrics.REQUESTS.labels(method, tenant, status_for(exc)[0].name).inc()
-            return _error_response(exc, request_id or "-")
+            _count(method, call, status_for(exc)[0].name, tenant)
+            served = {"x-served-model": call.served_model} if call is not None and call.served_model else {}
+            return _error_response(exc, request_id or "-", served)
 
     async def _sse(self, chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: _Shape,
-                   parsed: Parsed, method: str, tenant: str) -> AsyncIterator[str]:
+                   parsed: Parsed, method: str, call: Call) -> AsyncIterator[str]:
         code = "OK"
         try:
             yield json.dumps(shape.role_chunk())
@@ -161,7 +161,13 @@ class OpenAIHttp:
             code = status_for(exc)[0].name
             yield json.dumps(http_error(exc).body)
         finally:
-            metrics.REQUESTS.labels(method, tenant, code).inc()
+            _count(method, call, code)
+
+
+def _count(method: str, call: Call | None, code: str, tenant: str = "-") -> None:
+    metrics.REQUESTS.labels(method, call.tenant.id if call is not None else tenant, code).inc()
+    if call is not None and call.served_model:
+        metrics.MODEL_REQUESTS.labels(call.served_model, code).inc()
 
 
 @dataclass(frozen=True)
@@ -241,11 +247,12 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-def _error_response(exc: BaseException, request_id: str) -> Response:
+def _error_response(exc: BaseException, request_id: str, extra: dict[str, str] | None = None) -> Response:
     if isinstance(exc, StopAsyncIteration):       # a flow that ended without a chunk: never expected
         exc = ServiceError("no output")
     error = http_error(exc)
-    return JSONResponse(error.body, status_code=error.status, headers={"x-request-id": request_id, **error.headers})
+    return JSONResponse(error.body, status_code=error.status,
+                        headers={"x-request-id": request_id, **error.headers, **(extra or {})})
 
 
 class HttpServer:

@@ -33,6 +33,8 @@ class Call:
     deadline: float | None                    # monotonic, from the client's deadline
     resume_from: int = 0
     headers: list[tuple[str, str]] = field(default_factory=list)  # ratelimit headers for initial metadata
+    model_version: str = ""                   # metadata x-model-version: pins the version of an alias
+    served_model: str = ""                    # the concrete NAME@VERSION, once routed (x-served-model)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from gateway.models import ModelCatalog
 from gateway.openai_http import HttpServer, OpenAIHttp
 from gateway.quota import Quota
 from gateway.request_state import Call
+from gateway.routing import Router
 from gateway.tenants import TenantRegistry
 from gateway.validation import REQUEST_ID, check_input
 from gateway.wire import Unparsable, lenient
@@ -71,9 +72,12 @@ class InferenceService:
         self.redis = redis_client.connect(settings.redis_url, settings.redis_password)
         self.blocking = redis_client.connect(settings.redis_url, settings.redis_password, socket_timeout=10.0,
                                              max_connections=settings.max_streams)
-        self.catalog = ModelCatalog(settings.model_specs(), settings.tokenizer_target, settings.tokenizer_timeout_s)
+        self.models = settings.models_config()
+        self.catalog = ModelCatalog(self.models.ids, settings.tokenizer_target, settings.tokenizer_timeout_s)
+        self.router = Router(self.models, self.redis, settings.route_refresh_ms / 1000, settings.worker_heartbeat_ttl_ms,
+                             settings.queue_shards)
         self.quota = Quota(self.redis, settings.lease_ttl_s, settings.concurrency_retry_ms)
-        self.flow = Flow(settings, self.redis, self.blocking, self.catalog, self.quota)
+        self.flow = Flow(settings, self.redis, self.blocking, self.catalog, self.quota, self.router)
         self.serving = False
         self.http: HttpServer | None = None
 
@@ -95,6 +99,7 @@ class InferenceService:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
         await self.redis.ping()
         await self.catalog.load(self.settings.tokenizer_wait_s)
+        await self.router.start()
         if self.settings.http_port:
             await self._start_http()
         self.serving = True
@@ -115,6 +120,7 @@ class InferenceService:
         if self.http is not None:
             await self.http.stop()
         await self.flow.drain()
+        await self.router.close()
         await self.catalog.close()
         await self.redis.aclose()
         await self.blocking.aclose()
@@ -130,15 +136,21 @@ class InferenceService:
             raise request.error
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining - _DEADLINE_MARGIN_S
-        return Call(tenant, request_id, deadline, _resume_from(metadata))
+        return Call(tenant, request_id, deadline, _resume_from(metadata),
+                    model_version=_model_version(metadata))
 
-    async def _failed(self, method: str, request, headers: _Headers, tenant: str, exc: BaseException) -> None:
-        metrics.REQUESTS.labels(method, tenant, _code_name(exc)).inc()
+    async def _failed(self, method: str, request, headers: _Headers, tenant: str, exc: BaseException,
+                      call: Call | None = None) -> None:
+        code = _code_name(exc)
+        metrics.REQUESTS.labels(method, tenant, code).inc()
+        served = call.served_model if call is not None else ""
+        if served:
+            metrics.MODEL_REQUESTS.labels(served, code).inc()
         if not headers.sent and not isinstance(exc, asyncio.CancelledError):
-            await headers.send(getattr(request, "request_id", "") or "-")
+            await headers.send(getattr(request, "request_id", "") or "-", [("x-served-model", served)] if served else [])
 
     async def Generate(self, request, context) -> AsyncIterator[pb.GenerateResponse]:
-        headers, tenant = _Headers(context), "-"
+        headers, tenant, call = _Headers(context), "-", None
         try:
             call = self._call(request, context)
             tenant = call.tenant.id
@@ -146,13 +158,13 @@ class InferenceService:
             async for chunk in self.flow.generate(call, request):
                 await headers.send(call.request_id, call.headers)
                 yield chunk
-            metrics.REQUESTS.labels("Generate", tenant, "OK").inc()
+            _succeeded("Generate", call)
         except BaseException as exc:
-            await self._failed("Generate", request, headers, tenant, exc)
+            await self._failed("Generate", request, headers, tenant, exc, call)
             raise
 
     async def Complete(self, request, context) -> pb.CompleteResponse:
-        headers, tenant = _Headers(context), "-"
+        headers, tenant, call = _Headers(context), "-", None
         try:
             call = self._call(request, context)
             tenant = call.tenant.id
@@ -167,10 +179,10 @@ class InferenceService:
                     reply.usage.CopyFrom(chunk.usage)
             reply.text = "".join(texts)
             await headers.send(call.request_id, call.headers)
-            metrics.REQUESTS.labels("Complete", tenant, "OK").inc()
+            _succeeded("Complete", call)
             return reply
         except BaseException as exc:
-            await self._failed("Complete", request, headers, tenant, exc)
+            await self._failed("Complete", request, headers, tenant, exc, call)
             raise
 
     async def _simple(self, method: str, request, context, body):
@@ -221,7 +233,19 @@ class InferenceService:
                                     f"quota exceeded: {decision.limit}; retry after {decision.retry_after_ms} ms")
 
     async def _list_models(self, call: Call, request: pb.ListModelsRequest) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[m for m in self.catalog.list() if call.tenant.may_use(m.id)])
+        return pb.ListModelsResponse(models=[m for m in self.model_infos() if call.tenant.may_use(m.id)])
+
+    def model_infos(self) -> list[pb.ModelInfo]:
+        """Concrete models, then aliases with their current weights; the default one marked."""
+        default = self.models.default_name
+        concrete = self.catalog.list()
+        for info in concrete:
+            info.kind, info.is_default = pb.MODEL_KIND_CONCRETE, info.id == default
+        aliases = [pb.ModelInfo(id=alias, kind=pb.MODEL_KIND_ALIAS, is_default=alias == default,
+                                context_length=min(self.catalog.context_length(m) for m in weights),
+                                routes=[pb.RouteWeight(model=m, weight=w) for m, w in sorted(weights.items())])
+                   for alias, weights in self.router.aliases().items()]
+        return concrete + aliases
 
 
 class _RequestHeaders(_Headers):
@@ -239,6 +263,19 @@ def _printable_id(request_id: str) -> str:
     """The id as a header value: a caller's malformed id (rejected by validation) would make gRPC
     fail the whole call with INTERNAL "invalid metadata", so it is sent as "-" instead."""
     return request_id if REQUEST_ID.fullmatch(request_id) and len(request_id) <= _MAX_HEADER_ID else "-"
+
+
+def _succeeded(method: str, call: Call) -> None:
+    metrics.REQUESTS.labels(method, call.tenant.id, "OK").inc()
+    metrics.MODEL_REQUESTS.labels(call.served_model, "OK").inc()
+
+
+def _model_version(metadata: dict[str, str]) -> str:
+    """Metadata x-model-version: a version (v2) or a whole id; bounded, printable."""
+    version = (metadata.get("x-model-version") or "").strip()
+    if len(version) > 128 or not version.isprintable():
+        raise InvalidArgument("x-model-version", "must be a model version such as v2 (at most 128 characters)")
+    return version
 
 
 def _resume_from(metadata: dict[str, str]) -> int:

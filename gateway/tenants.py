@@ -9,7 +9,7 @@
         max_concurrent: 4
         max_new_tokens: 512
         priority: normal
-        models: ["*"]
+        models: ["*"]            # aliases or concrete ids NAME@VERSION; a NAME allows all its versions
         cache_group: ""          # optional: tenants of one group share prefix-cache hits
         raw_special_tokens: false   # optional: special tokens spelled in `prompt` act as control tokens
 
@@ -69,7 +69,9 @@ class Tenant:
         return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.id}"
 
     def may_use(self, model: str) -> bool:
-        return "*" in self.models or model in self.models
+        """`*`, the name itself, or, for a concrete `NAME@VERSION`, its NAME: listing a model's
+        name (the usual alias) allows every version of it; listing `NAME@v1` allows only v1."""
+        return "*" in self.models or model in self.models or model.partition("@")[0] in self.models
 
 
 def hash_key(api_key: str) -> str:

@@ -1,0 +1,149 @@
+"""Which concrete model (`NAME@VERSION`) serves a request.
+
+    request.model ──▶ empty: the default name
+                  ──▶ concrete id ──▶ itself (x-model-version: its NAME@VERSION instead)
+                  ──▶ alias ──▶ x-model-version set: the alias's target of that version
+                           ──▶ else by weight among targets with live workers (all targets
+                               with weight when none has one: the request queues, and the
+                               max queue wait answers UNAVAILABLE)
+
+The weighted pick is a hash of the request id, so a retry with the same request_id lands on
+the same version (a resume reads the version from the request's meta and never routes again).
+Weights come from Redis (llmserve/routes.py), live workers from the heartbeats, both re-read
+every `refresh_s` by one background task: a `llmserve route` reaches every gateway within it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from llmserve import keys, routes
+from llmserve.clock import now_ms
+from llmserve.errors import NotFound
+from llmserve.models_file import ModelsConfig
+from llmserve.v1 import queue_pb2
+
+logger = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    """What a request asked for and the concrete id that serves it."""
+
+    requested: str   # the alias or id as named (the default filled in)
+    model: str       # concrete NAME@VERSION
+
+
+def weighted_pick(weights: dict[str, int], request_id: str, salt: str) -> str:
+    """One target, with probability weight / total, fixed by (request_id, salt)."""
+    total = sum(weights.values())
+    digest = hashlib.blake2b(f"{salt}\0{request_id}".encode(), digest_size=8).digest()
+    point = int.from_bytes(digest, "big") % total
+    for target in sorted(weights):
+        point -= weights[target]
+        if point < 0:
+            return target
+    raise AssertionError("weights changed under the pick")
+
+
+def version_of(model_id: str) -> str:
+    return model_id.rpartition("@")[2] if "@" in model_id else ""
+
+
+class Router:
+    """Alias weights and worker liveness, kept fresh from Redis; `route()` never waits on Redis.
+
+    Args:
+        config: the served models and aliases (the models file's weights are the seed).
+        redis: the gateway's client.
+        refresh_s: how often weights and heartbeats are re-read.
+        heartbeat_ttl_ms: a worker whose heartbeat is older counts as gone (as the batcher's).
+        queue_shards: queue cells per model (llmserve/keys.py): a model's workers are in any of them.
+    """
+
+    def __init__(self, config: ModelsConfig, redis: aioredis.Redis, refresh_s: float, heartbeat_ttl_ms: int,
+                 queue_shards: int = 1) -> None:
+        self.config = config
+        self.redis = redis
+        self.refresh_s = refresh_s
+        self.heartbeat_ttl_ms = heartbeat_ttl_ms
+        self.queue_shards = queue_shards
+        self.weights: dict[str, dict[str, int]] = {a: dict(w) for a, w in config.aliases.items()}
+        self.live: dict[str, int] = {m: 0 for m in config.ids}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await routes.seed_async(self.redis, self.config)
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop(), name="routes-refresh")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # -- refresh -------------------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        stored = await routes.read_weights(self.redis, list(self.config.aliases))
+        for alias, weights in stored.items():
+            usable = {m: w for m, w in (weights or {}).items() if m in self.live}
+            if usable and any(usable.values()) and usable != self.weights[alias]:
+                logger.info("alias weights changed", alias=alias, weights=usable)
+                self.weights[alias] = usable
+        for model in self.config.ids:
+            self.live[model] = await self._live_workers(model)
+
+    async def _live_workers(self, model: str) -> int:
+        now, beats = now_ms(), []
+        for shard in range(self.queue_shards):
+            beats += [queue_pb2.WorkerHeartbeat.FromString(raw)
+                      for raw in (await self.redis.hgetall(keys.workers_hash(model, shard))).values()]
+        return sum(1 for b in beats if not b.draining and now - b.sent_unix_ms <= self.heartbeat_ttl_ms)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except (RedisError, OSError) as exc:  # keep routing on the last weights seen
+                logger.warning("route refresh failed", error=repr(exc))
+
+    # -- route ---------------------------------------------------------------------------------------------
+    def route(self, name: str, version: str, request_id: str) -> Route:
+        """The concrete model for `name` (alias, id or empty), pinned to `version` when given;
+        NOT_FOUND names an unknown model or version."""
+        name = name or self.config.default_name
+        if name in self.live:
+            return Route(name, self._pinned_id(name, name.partition("@")[0], version) if version else name)
+        if name not in self.weights:
+            raise NotFound(f"unknown model {name!r}; ListModels lists the served models and aliases")
+        if version:
+            return Route(name, self._pinned_alias(name, version))
+        return Route(name, self._weighted(name, request_id))
+
+    def _pinned_id(self, name: str, base: str, version: str) -> str:
+        pinned = f"{base}@{version}"
+        if pinned not in self.live:
+            raise NotFound(f"model {name!r} has no version {version!r} (x-model-version)")
+        return pinned
+
+    def _pinned_alias(self, alias: str, version: str) -> str:
+        targets = set(self.weights[alias]) | set(self.config.aliases[alias])
+        matches = sorted(m for m in targets if version_of(m) == version or m == version)
+        if matches:
+            return matches[0]
+        return self._pinned_id(alias, alias, version)
+
+    def _weighted(self, alias: str, request_id: str) -> str:
+        weights = {m: w for m, w in self.weights[alias].items() if w > 0}
+        live = {m: w for m, w in weights.items() if self.live.get(m, 0) > 0}
+        return weighted_pick(live or weights, request_id, alias)
+
+    def aliases(self) -> dict[str, dict[str, int]]:
+        return {a: dict(w) for a, w in self.weights.items()}
