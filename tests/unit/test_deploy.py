@@ -44,6 +44,9 @@ K8S_VERSION = "1.30.0"          # the oldest Kubernetes these manifests promise 
 SERVICES = ("gateway", "tokenizer_svc", "batcher", "gpu_worker")
 # LLMSERVE_* variables that are not settings: read by llmserve.model_store (where model files live).
 NON_SETTING_ENV = {"LLMSERVE_CACHE_DIR"}
+# Files the manifests mount (container path -> the repo file behind it), so settings that name them validate.
+MODELS_FILE = K8S / "base" / "models.yaml"
+MOUNTED_FILES = {"/etc/llmserve/models/models.yaml": MODELS_FILE, "/etc/llmserve/models.yaml": MODELS_FILE}
 CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject-keda-v1alpha1.json",
     ("keda.sh/v1alpha1", "TriggerAuthentication"): "triggerauthentication-keda-v1alpha1.json",
@@ -147,7 +150,7 @@ def pre_stop_seconds(container: dict) -> int:
 
 def stop_budget_s(service: str, env: dict[str, str]) -> float:
     """How long a service may take from SIGTERM to exit: its drain (worker) plus the server's grace."""
-    settings = settings_class(service).load([], env=env)
+    settings = settings_class(service).load([], env=local_files(env))
     return getattr(settings, "drain_timeout_s", 0.0) + settings.grace_s
 
 
@@ -245,7 +248,7 @@ def test_manifest_env_and_flags_are_real_settings(name):
         words = container.get("command", []) + container.get("args", [])
         unknown_flags = set(flags_in(words)) - flag_names(cls)
         assert not unknown_flags, f"{workload['metadata']['name']}: unknown flags {sorted(unknown_flags)}"
-        settings = cls.load(flags_and_values(words), env=env)     # the values parse and validate
+        settings = cls.load(flags_and_values(words), env=local_files(env))     # the values parse and validate
         assert settings.host == "0.0.0.0"
         port = int(env["LLMSERVE_PORT"])
         assert settings.port == port and settings.metrics_port == 9100
@@ -260,6 +263,12 @@ def test_manifest_env_and_flags_are_real_settings(name):
     assert seen == set(SERVICES)
 
 
+def local_files(env: dict[str, str]) -> dict[str, str]:
+    """The env with `@<mounted file>` values pointing at the repo file the manifests mount there."""
+    return {k: f"@{MOUNTED_FILES[v[1:]]}" if v.startswith("@") and v[1:] in MOUNTED_FILES else v
+            for k, v in env.items()}
+
+
 def flags_and_values(words: list[str]) -> list[str]:
     """The part of a command line after `python -m <service>`."""
     for i, word in enumerate(words):
@@ -272,6 +281,8 @@ def test_shared_configmap_holds_only_common_settings():
     common = env_names(CommonSettings)
     for name, rendered in RENDERED.items():
         for cm in by_kind(rendered, "ConfigMap").values():
+            if cm["metadata"]["name"].startswith("llmserve-models"):   # a file, mounted: models_file_is_mounted
+                continue
             assert set(cm["data"]) <= common, f"{name} {cm['metadata']['name']}: {set(cm['data']) - common}"
 
 
@@ -283,7 +294,7 @@ def test_compose_env_and_flags_are_real_settings():
         unknown_env = {k for k in env if k.startswith("LLMSERVE_")} - env_names(cls) - NON_SETTING_ENV
         assert not unknown_env, f"compose {name}: {sorted(unknown_env)} are not {cls.__name__} settings"
         assert not set(flags_in(command)) - flag_names(cls), f"compose {name}: unknown flags"
-        settings = cls.load(flags_and_values(command), env=env)
+        settings = cls.load(flags_and_values(command), env=local_files(env))
         assert settings.host == "0.0.0.0" and settings.port > 0
         assert settings.redis_url == "redis://redis:6379/0"
         seen.add(service)
@@ -358,6 +369,25 @@ def test_compose_stop_grace_covers_drain():
 
 
 # -- wiring -----------------------------------------------------------------------------------------------------
+def test_models_file_is_mounted_where_the_services_read_it():
+    from llmserve.models_file import parse_models
+
+    config = parse_models(MODELS_FILE.read_text())
+    for name, rendered in RENDERED.items():
+        models_cm = next(cm for cm in by_kind(rendered, "ConfigMap").values()
+                         if cm["metadata"]["name"].startswith("llmserve-models"))
+        assert parse_models(models_cm["data"]["models.yaml"]) == config
+        for workload, container, service in llmserve_containers(rendered):
+            env = container_env(rendered, container)
+            if service == "gpu_worker":       # each worker Deployment serves one version of the file
+                assert model_store.model_id(env["LLMSERVE_MODEL"]) in config.ids, name
+                continue
+            mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+            volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+            assert env["LLMSERVE_MODELS"] == f"@{mounts['models']}/models.yaml", (name, service)
+            assert volumes["models"]["configMap"]["name"] == models_cm["metadata"]["name"]
+
+
 def test_keda_scales_workers_on_the_real_work_streams():
     for name in ("base", "dev", "prod"):
         rendered = RENDERED[name]
@@ -438,7 +468,7 @@ def test_prod_gateway_terminates_tls_from_a_tls_secret_and_turns_reflection_off(
     rendered = RENDERED["prod"]
     workload = by_kind(rendered, "Deployment")["gateway"]
     container = workload["spec"]["template"]["spec"]["containers"][0]
-    settings = settings_class("gateway").load([], env=container_env(rendered, container))
+    settings = settings_class("gateway").load([], env=local_files(container_env(rendered, container)))
     assert settings.reflection is False
     # the cert and key are the tls.crt / tls.key of one kubernetes.io/tls Secret (what cert-manager writes)
     assert mounted_secret_file(workload, container, settings.tls_cert) == ("gateway-tls", "tls.crt")
@@ -452,7 +482,7 @@ def test_prod_gateway_terminates_tls_from_a_tls_secret_and_turns_reflection_off(
             assert settings.health_port not in [p.get("port") for p in rule.get("ports", [])]
     # dev keeps plaintext and reflection (grpcurl against a laptop cluster)
     dev = by_kind(RENDERED["dev"], "Deployment")["gateway"]["spec"]["template"]["spec"]["containers"][0]
-    dev_settings = settings_class("gateway").load([], env=container_env(RENDERED["dev"], dev))
+    dev_settings = settings_class("gateway").load([], env=local_files(container_env(RENDERED["dev"], dev)))
     assert dev_settings.reflection and not dev_settings.tls_cert
 
 
