@@ -61,7 +61,8 @@ class BatcherService:
                                        rehome_to=lambda m=model, k=shard: self._live_sibling(m, k))
                 await batcher.ensure_groups()
                 self.cells.append(batcher)
-                task = asyncio.create_task(batcher.run(), name=f"batch-{model}-{shard}")
+                with structlog.contextvars.bound_contextvars(model=model):  # the loop's log lines carry it
+                    task = asyncio.create_task(batcher.run(), name=f"batch-{model}-{shard}")
                 task.add_done_callback(self._loop_ended)
                 self._tasks.append(task)
         self._tasks.append(asyncio.create_task(self._stats_loop(), name="batcher-stats"))
