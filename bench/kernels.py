@@ -9,6 +9,8 @@
    scaled_dot_product_attention on the same K/V gathered contiguous (gather not timed).
 3. Engine decode step, Llama-3-8B shape with random weights, batch 64 at context 2048: time
    (eager and CUDA-graph replay) vs roofline = (weight bytes + KV bytes) / copy bandwidth.
+4. Weight-only int8 decode GEMV (int8_gemv.cu) on Llama-3-8B's four GEMM shapes at 1/8/32 tokens:
+   time and weight GB/s beside bf16 cuBLAS (x @ W.T) on the same shapes, the baseline a user has.
 
 Writes kernels.json and decode_attention_gbps.png (if matplotlib is there) under --out
 (default: $OUT, else bench/results). Imports only torch, numpy, cupy (via ops), matplotlib and
@@ -179,6 +181,29 @@ def bench_engine_step(copy_bw: float, batch: int = 64, context: int = 2048) -> d
             "graph_over_roofline": graph / roofline, "eager_over_roofline": eager / roofline}
 
 
+def bench_int8_gemv(copy_bw: float) -> list[dict]:
+    """int8_gemv.cu vs bf16 cuBLAS on the 8B layer's GEMMs (qkv, o, gate_up, down) at decode batch sizes."""
+    c = LLAMA3_8B
+    shapes = {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
+              "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
+        scale = (w.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        for tokens in (1, 8, 32):
+            x = torch.randn(tokens, k, device="cuda", dtype=DTYPE)
+            ours = time_graph(lambda x=x, q=q, scale=scale: cuda.int8_linear(x, q, scale))
+            cublas = time_graph(lambda x=x, w=w: x @ w.t())
+            rows.append({"gemm": name, "n": n, "k": k, "tokens": tokens, "int8_us": ours * 1e6,
+                         "bf16_cublas_us": cublas * 1e6, "int8_weight_gbps": n * k / ours / 1e9,
+                         "bf16_weight_gbps": n * k * 2 / cublas / 1e9, "speedup": cublas / ours,
+                         "int8_fraction_of_copy": n * k / ours / copy_bw})
+        del w, q
+    torch.cuda.empty_cache()
+    return rows
+
+
 def plot(rows: list[dict], copy_bw: float, path: Path) -> bool:
     try:
         import matplotlib
@@ -234,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"8B decode step, batch {step['batch']}, ctx {step['context']}: graph {step['graph_ms']:.2f} ms, "
             f"eager {step['eager_ms']:.2f} ms, roofline {step['roofline_ms']:.2f} ms "
             f"({step['graph_over_roofline']:.2f}x roofline with graphs)")
+    log(f"{'gemm':>8} {'N':>6} {'K':>6} {'tok':>4} {'int8 us':>8} {'GB/s':>6} {'bf16 cuBLAS us':>14} {'GB/s':>6} {'speedup':>7}")
+    result["int8_gemv"] = bench_int8_gemv(copy_bw)
+    for r in result["int8_gemv"]:
+        log(f"{r['gemm']:>8} {r['n']:6d} {r['k']:6d} {r['tokens']:4d} {r['int8_us']:8.1f} {r['int8_weight_gbps']:6.0f} "
+            f"{r['bf16_cublas_us']:14.1f} {r['bf16_weight_gbps']:6.0f} {r['speedup']:6.2f}x")
     (out / "kernels.json").write_text(json.dumps(result, indent=2))
     if plot(rows, copy_bw, out / "decode_attention_gbps.png"):
         log(f"plot: {out / 'decode_attention_gbps.png'}")

@@ -20,8 +20,9 @@ class WorkerSettings(CommonSettings):
     # fp32 by default: on a 2-core AVX2 CPU int4 runs 1.5-2.1x faster at 1 sequence and 1.3-1.5x at 4,
     # but torch's int4/int8 kernels are compute-bound from ~16 rows on (0.7-0.8x at 16-32 sequences,
     # prefill 0.5x); a batching server is there for the loaded case (bench/engine.py, README)
-    quantization: str = setting("none", "CPU weight format of the GEMMs: none (fp32), int8 (per-channel) "
-                                        "or int4 (groups of 32, the GGUF Q4_1 layout); weight-only")
+    quantization: str = setting("none", "weight format of the GEMMs: none (the model dtype), int8 (per-channel; "
+                                        "CPU and CUDA) or int4 (groups of 32, the GGUF Q4_1 layout; CPU); "
+                                        "weight-only")
     worker_id: str = setting("", "id in the workers hash and inbox stream name (default host-pid)")
     block_size: int = setting(16, "tokens per KV-cache block")
     kv_cache_mb: int = setting(512, "KV-cache memory budget in MiB (sets the number of blocks)")

@@ -191,6 +191,18 @@ class LlamaModel(nn.Module):
         self.share_lm_head = False
         return True
 
+    @torch.no_grad()
+    def quantize_for_cuda(self, quantization: str) -> None:
+        """Swap the layers' GEMM weights for a weight-only quantized CUDA form (ops/quantized_linear.py
+        CUDA_FORMATS); the vocab head stays in the model dtype. Inference-only afterwards."""
+        if quantization not in quantized_linear.CUDA_FORMATS:
+            raise ValueError(f"quantization {quantization!r} has no CUDA form (have: "
+                             f"{', '.join(quantized_linear.CUDA_FORMATS)})")
+        fmt = quantized_linear.CUDA_FORMATS[quantization]
+        for layer in self.layers:
+            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+                _replace(layer, name, fmt(getattr(layer, name)))
+
     # ---- weight loading -------------------------------------------------------------------------
 
     def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:

@@ -55,8 +55,8 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     """Build the model for `spec` (alias like "smollm2-135m", a .gguf path, or an HF directory).
 
     prepack: on CPU, put GEMM weights in oneDNN's blocked layout (LlamaModel.prepack_for_cpu).
-    quantization: CPU weight format of the layers' GEMMs, "none" or a key of
-    ops/quantized_linear.FORMATS (applies with prepack on CPU only).
+    quantization: weight format of the layers' GEMMs, "none" or a key of ops/quantized_linear.FORMATS
+    (on CPU, with prepack) or of CUDA_FORMATS (on CUDA).
     """
     start = time.monotonic()
     path = model_store.resolve(str(spec))
@@ -66,9 +66,13 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     model.load_weights(weights)
     model.eval()
     prepacked = prepack and model.prepack_for_cpu(quantization)
+    quantized = prepacked and quantization != "none"
+    if model.device.type == "cuda" and quantization != "none":
+        model.quantize_for_cuda(quantization)
+        quantized = True
     logger.info(
         "model loaded", path=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."), prepacked=prepacked,
-        quantization=quantization if prepacked else "none",
+        quantization=quantization if quantized else "none",
         layers=config.num_layers, hidden=config.hidden_size, seconds=round(time.monotonic() - start, 2),
     )
     return model

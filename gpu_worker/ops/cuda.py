@@ -97,6 +97,14 @@ def _vec_for(sizes: tuple[int, ...], *tensors: torch.Tensor) -> int:
     return vec if vec == 1 or all(_aligned16(t) for t in tensors) else 1
 
 
+# Weight-only int8 linear launch constants (see int8_gemv.cu): tokens per CTA (the weights are
+# read once for them) and warps (output rows) per CTA. Calls with more tokens than
+# INT8_GEMV_MAX_TOKENS (prefill) dequantize the weight and use cuBLAS instead.
+INT8_GEMV_TOKENS = 8
+INT8_GEMV_WARPS = 4
+INT8_GEMV_MAX_TOKENS = 64
+
+
 def norm_warps(hidden: int, vec: int) -> int:
     return 8 if hidden // vec >= 256 else 4
 
@@ -112,6 +120,10 @@ def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
 def norm_kernel_name(fused: bool, dtype: torch.dtype, wdtype: torch.dtype, vec: int, warps: int) -> str:
     name = "fused_add_rms_norm_kernel" if fused else "rms_norm_kernel"
     return f"llmserve::{name}<{CTYPE[dtype]}, {CTYPE[wdtype]}, {vec}, {warps}>"
+
+
+def int8_gemv_kernel_name(dtype: torch.dtype) -> str:
+    return f"llmserve::int8_gemv_kernel<{CTYPE[dtype]}, {INT8_GEMV_TOKENS}, {INT8_GEMV_WARPS}>"
 
 
 def hot_name_expressions() -> dict[str, list[str]]:
@@ -134,7 +146,7 @@ def hot_name_expressions() -> dict[str, list[str]]:
         rope += [f"llmserve::rotary_kernel<{t}, {'true' if i else 'false'}>" for i in (True, False)]
         kv.append(f"llmserve::write_kv_cache_kernel<{t}, 8>")
     return {"paged_attention.cu": attn, "layernorm.cu": norms, "activation.cu": act,
-            "rotary.cu": rope, "kv_cache.cu": kv}
+            "rotary.cu": rope, "kv_cache.cu": kv, "int8_gemv.cu": [int8_gemv_kernel_name(d) for d in HALF_TYPES]}
 
 
 def launchable_kernels() -> dict[str, list[str]]:
@@ -149,7 +161,8 @@ def launchable_kernels() -> dict[str, list[str]]:
     return {"paged_attention.cu": attn, "layernorm.cu": norms,
             "activation.cu": [f"llmserve::silu_and_mul_kernel<{t}, {vec}>" for t in types for vec in (1, 8)],
             "rotary.cu": [f"llmserve::rotary_kernel<{t}, {i}>" for t in types for i in ("true", "false")],
-            "kv_cache.cu": [f"llmserve::write_kv_cache_kernel<{t}, {vec}>" for t in types for vec in (1, 8)]}
+            "kv_cache.cu": [f"llmserve::write_kv_cache_kernel<{t}, {vec}>" for t in types for vec in (1, 8)],
+            "int8_gemv.cu": [int8_gemv_kernel_name(dtype) for dtype in KERNEL_TYPES]}
 
 
 def kernel_source(filename: str) -> str:
@@ -341,6 +354,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if tokens:
         _launch("activation.cu", f"llmserve::silu_and_mul_kernel<{CTYPE[x.dtype]}, {vec}>",
                 (tokens, col_chunks), (threads,), out, x, _i32(inter))
+    return out
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Weight-only int8 linear. x: [T, K], q: [N, K] int8, scale: [N] -> x @ (q * scale[:, None]).T
+    [T, N] in x.dtype. Decode-sized calls run int8_gemv.cu on the int8 weight; larger ones (prefill)
+    and shapes it cannot take (K not a multiple of 16, unaligned rows) dequantize and use cuBLAS."""
+    x = x.contiguous()
+    tokens, k_cols = x.shape
+    n_rows = q.shape[0]
+    if tokens > INT8_GEMV_MAX_TOKENS or k_cols % 16 or not (_aligned16(x) and _aligned16(q)):
+        return x @ (q.to(x.dtype) * scale[:, None].to(x.dtype)).t()
+    out = _empty((tokens, n_rows), x.dtype, x.device)
+    if tokens:
+        grid = (-(-n_rows // INT8_GEMV_WARPS), -(-tokens // INT8_GEMV_TOKENS))
+        _launch("int8_gemv.cu", int8_gemv_kernel_name(x.dtype), grid, (INT8_GEMV_WARPS * 32,), out, x,
+                q.contiguous(), scale.float().contiguous(), _i32(tokens), _i32(n_rows), _i32(k_cols))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Weight-only quantized CPU linears: the weights stay int8 / int4 in memory and in the GEMM.
+"""Weight-only quantized linears: the weights stay int8 / int4 in memory and in the GEMM.
 
 A decode step of a small model reads every weight once, so its time is mostly memory traffic:
 SmolLM2-135M's 30 layers are 424 MB in fp32, 106 MB in int8 and 60 MB in int4 (scales included).
@@ -20,6 +20,13 @@ scale and offset round (to bf16, the dtype the kernel takes them in).
 Every row of the output depends only on its own input row, computed the same bits for any
 number of rows (tests/unit/test_quantized_linear.py), so a sequence's logits do not depend
 on what it is batched with, as with the prepacked fp32 path.
+
+On CUDA, int8 has the same weight (`CudaInt8Weight`: q [N, K] int8, scale [N] fp32) and runs
+in the activations' dtype: decode-sized calls on a CuPy kernel that reads the int8 rows and
+widens them in registers (gpu_worker/kernels/int8_gemv.cu), prefill-sized ones dequantize
+and use cuBLAS (gpu_worker.ops.cuda.int8_linear). A decode batch's rows are the same bits for
+any batch of up to INT8_GEMV_MAX_TOKENS sequences; a larger decode batch takes the cuBLAS path,
+so batch invariance on CUDA int8 holds up to that size (quantization is off by default).
 """
 
 from __future__ import annotations
@@ -91,7 +98,27 @@ class Int4Weight(QuantizedWeight):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
 
 
+class CudaInt8Weight(QuantizedWeight):
+    """Int8Weight's format on CUDA, in the activations' dtype (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        """weight: [N, K] float, on the GPU."""
+        super().__init__()
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        self.out_features, self.in_features = w.shape
+        self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
+        self.register_buffer("scale", scale)  # [N] fp32
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from gpu_worker.ops import cuda  # CuPy: imported only where a GPU model runs
+
+        out = cuda.int8_linear(x, self.q, self.scale)
+        return out if bias is None else out + bias
+
+
 FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Weight}
+CUDA_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": CudaInt8Weight}
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:

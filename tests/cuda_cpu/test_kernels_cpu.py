@@ -164,3 +164,34 @@ def test_write_kv_cache(launch_with, dtype, dim):
 
     got = same_bits_in_every_order(launch_with, write)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ------------------------------------------------------------------ weight-only int8 linear
+
+
+def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8 over the whole code range, scale [N] fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    return q, torch.rand(n, generator=gen) * 0.02 + 1e-3
+
+
+@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize(("tokens", "n", "k"), [(1, 37, 64), (3, 64, 576), (9, 130, 1536), (64, 20, 96)])
+def test_int8_linear(launch_with, dtype, tokens, n, k):
+    # 37, 130 rows: a partial last CTA; 9 tokens: a partial second token chunk; 64: the GEMV's largest call
+    x = rand(tokens, k, dtype=dtype, seed=8)
+    q, scale = int8_weight(n, k, seed=8)
+    got = same_bits_in_every_order(launch_with, lambda: cuda.int8_linear(x, q, scale))
+    want = ((x.double() @ q.double().t()) * scale.double()).to(dtype)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+def test_int8_linear_rows_are_the_same_bits_in_any_decode_batch(launch_with, dtype):
+    x = rand(cuda.INT8_GEMV_MAX_TOKENS, 576, dtype=dtype, seed=9)
+    q, scale = int8_weight(192, 576, seed=9)
+    with launch_with():
+        batches = {t: cuda.int8_linear(x[:t], q, scale) for t in (1, 2, 7, 8, 9, cuda.INT8_GEMV_MAX_TOKENS)}
+    for t, out in batches.items():
+        assert torch.equal(out, batches[cuda.INT8_GEMV_MAX_TOKENS][:t]), t

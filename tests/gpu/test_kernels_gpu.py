@@ -192,3 +192,25 @@ def test_write_kv_cache(dtype, dim):
     cuda.write_kv_cache(k, v, caches[0], caches[1], slots)
     reference.write_kv_cache(k, v, want[0], want[1], slots)
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float32])
+@pytest.mark.parametrize(("tokens", "n", "k"), [(1, 576, 576), (9, 3072, 576), (64, 576, 1536), (300, 1728, 576)])
+def test_int8_linear(dtype, tokens, n, k):
+    # up to 64 tokens: int8_gemv.cu; 300 (prefill): dequantize + cuBLAS
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randint(-127, 128, (n, k), generator=gen, device="cuda", dtype=torch.int8)
+    scale = torch.rand(n, generator=gen, device="cuda") * 0.02 + 1e-3
+    x = rand(tokens, k, dtype=dtype, seed=8)
+    want = ((x.double() @ q.double().t()) * scale.double()).to(dtype)
+    torch.testing.assert_close(cuda.int8_linear(x, q, scale), want, **TOL[dtype])
+
+
+def test_int8_linear_rows_are_the_same_bits_in_any_decode_batch():
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randint(-127, 128, (1536, 576), generator=gen, device="cuda", dtype=torch.int8)
+    scale = torch.rand(1536, generator=gen, device="cuda") * 0.02
+    x = rand(cuda.INT8_GEMV_MAX_TOKENS, 576, dtype=torch.bfloat16, seed=9)
+    full = cuda.int8_linear(x, q, scale)
+    for t in (1, 7, 8, 9, 33):
+        assert torch.equal(cuda.int8_linear(x[:t], q, scale), full[:t]), t
