@@ -21,12 +21,14 @@ key's hash tag the family: {m:<model>} queue (work streams, inboxes, heartbeats)
 events/meta/epoch/cancel, {t:<tenant>} quota. Load minus the idle rate is what the requests
 cost; it is split into admission, queueing, dispatch, completion (per request) and token writes
 and reads (per generated token). From that and a stated fleet (tokens/s per worker, tokens per
-request) it prints the shards needed for 100 and 1,000 workers and which family fills a shard
-first. Writes bench/results/redis_capacity.json.
+request) it prints the shards needed for 100 and 1,000 workers, which family fills a shard
+first, and how many queue cells (`queue_shards`, llmserve/keys.py) keep a model's queue slots
+under the budget. Writes bench/results/redis_capacity.json.
 
 With `--cluster N` the same load runs on an N-master Valkey Cluster (tests/cluster/valkey_cluster.py)
 instead, and it prints what each node carried, by family, and which node holds the model's {m} tag
 and the tenant's {t} tag: the hot-shard question measured directly (bench/results/redis_cluster.json).
+`--queue-shards K` runs the stack with K queue cells, to see the {m} traffic split over K slots.
 """
 
 from __future__ import annotations
@@ -241,9 +243,11 @@ def measure_cluster(args) -> dict:
     for c in clients:
         c.config_set("slowlog-log-slower-than", 0)
         c.config_set("slowlog-max-len", 2_000_000)
-    stack = Stack(StackConfig(workers=args.workers, device="cpu", port=0, redis_url=cluster.url))
+    stack = Stack(StackConfig(workers=args.workers, device="cpu", port=0, redis_url=cluster.url,
+                              extra_env={"LLMSERVE_QUEUE_SHARDS": str(args.queue_shards)}))
     model = model_store.model_id(model_store.DEFAULT_MODEL)
-    owners_of = {"{m:" + model + "}": keys.work_stream(model, 0), "{t:dev}": keys.tenant_key("dev", "rate")}
+    owners_of = {keys.queue_tag(model, k): keys.work_stream(model, 0, k) for k in range(args.queue_shards)}
+    owners_of["{t:dev}"] = keys.tenant_key("dev", "rate")
     try:
         stack.start()
         run_load(stack.gateway_target, args.concurrency, args.concurrency, args.max_new_tokens, "warm")
@@ -362,7 +366,10 @@ def fleet(m: dict, args) -> dict:
                           model_traffic_share=rate["{m}"] / per_worker,
                           fleets={n: dict(cores=(per_worker * n + batcher) / 1e6,
                                           shards=max(1, math.ceil((per_worker * n + batcher) / budget)),
-                                          model_shard_busy=(rate["{m}"] * n + batcher) / 1e6)
+                                          model_shard_busy=(rate["{m}"] * n + batcher) / 1e6,
+                                          # queue cells (queue_shards) so no cell's slot is over budget:
+                                          # each cell carries 1/K of the workers and one batcher loop
+                                          queue_cells=max(1, math.ceil(rate["{m}"] * n / max(1e-9, budget - batcher))))
                                   for n in (100, 1000)})
     return out
 
@@ -394,7 +401,8 @@ def print_report(r: dict) -> None:
               f"{{m}} is {b['model_traffic_share']:.1%} of it")
         for workers, row in b["fleets"].items():
             print(f"    {workers:>5} workers: {row['cores']:.2f} cores -> {row['shards']} shards; "
-                  f"one model's {{m}} shard {row['model_shard_busy']:.0%} busy")
+                  f"one model's {{m}} shard {row['model_shard_busy']:.0%} busy unsharded, "
+                  f"queue_shards >= {row['queue_cells']} keeps every cell under {f['shard_busy']:.0%}")
         print(f"    one model fills its {{m}} shard at {b['workers_per_model_shard']:.0f} workers")
 
 
@@ -409,6 +417,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-request", type=float, default=256.0, help="mean completion length")
     parser.add_argument("--shard-busy", type=float, default=0.5, help="highest main-thread load per shard")
     parser.add_argument("--cluster", type=int, default=0, help="run on a cluster of this many masters instead")
+    parser.add_argument("--queue-shards", type=int, default=1, help="queue cells per model (with --cluster)")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.cluster:
