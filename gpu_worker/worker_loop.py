@@ -156,7 +156,11 @@ class WorkerLoop:
             self._queue(Emission(tracked, final=True,
                                  error=DeadlineExceeded("deadline passed before the worker started")))
         elif (done := self.engine.add(tracked.seq)) is not None:
-            self._queue(Emission(tracked, final=True, finish_reason=done.seq.finish_reason))
+            if done.seq.failure is Failure.BAD_CONSTRAINT:
+                self._queue(Emission(tracked, final=True, error=InvalidArgument(
+                    "sampling.response_format", "the grammar cannot continue this request's tokens")))
+            else:
+                self._queue(Emission(tracked, final=True, finish_reason=done.seq.finish_reason))
 
     async def _stop_cancelled_and_expired(self) -> None:
         live = [t for t in self.state.tracked.values() if not t.seq.is_finished]
