@@ -116,8 +116,7 @@ class WorkerService:
         self.engine = await asyncio.to_thread(build_engine, self.settings)
         if self.settings.warmup:
             await asyncio.to_thread(warm_up, self.engine)
-        self.shard = queue_cells.cell_to_join(
-            await queue_cells.live_workers(self.redis, self.model_id, self.settings.queue_shards))
+        self.shard = await queue_cells.join(self.redis, self.model_id, self.settings.queue_shards)
         self.loop = WorkerLoop(self.engine, self.redis, self.model_id, self.worker_id,
                                self.settings.events_ttl_s, self.settings.max_inbox_batches, self.shard)
         self.heartbeat = Heartbeat(

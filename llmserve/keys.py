@@ -7,6 +7,7 @@ runs on Redis Cluster:
     llmserve:{m:<model>}:inbox:<worker_id>   a worker's inbox stream of batches
     llmserve:{m:<model>}:workers             hash worker_id -> WorkerHeartbeat bytes
     llmserve:{m:<model>}:inboxes             set of worker ids the batcher wrote an inbox for
+    llmserve:{m:<model>}:cell_joins          counter: tickets of workers joining a queue cell
     llmserve:{m:<model>:<k>}:...             the same four, for queue shard k >= 1
     llmserve:{r:<tenant>:<id>}:events        per-request token-event stream (TTL)
     llmserve:{r:<tenant>:<id>}:cancel        exists once the request is cancelled
@@ -63,6 +64,11 @@ def workers_hash(model: str, shard: int = 0) -> str:
 def inboxes_set(model: str, shard: int = 0) -> str:
     """Worker ids that have (had) an inbox; the batcher scans it to reclaim dead workers' batches."""
     return f"{PREFIX}:{queue_tag(model, shard)}:inboxes"
+
+
+def cell_joins(model: str) -> str:
+    """A counter each joining worker increments (llmserve/queue_cells.py breaks ties with it)."""
+    return f"{PREFIX}:{queue_tag(model)}:cell_joins"
 
 
 def request_uid(tenant: str, request_id: str) -> str:

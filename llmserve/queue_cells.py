@@ -5,7 +5,8 @@ Redis Cluster slot, so no single shard carries all of a model's queue traffic. E
 is a whole queue: work streams with their priorities, a batch loop with its tenant
 fairness, and the workers that joined it. The two choices that keep cells balanced:
 
-    worker start:  join the cell with the fewest live workers (ties: the lowest index)
+    worker start:  join the cell with the fewest live workers; ties go round-robin by a ticket
+                   from one counter, so workers that start together spread over the cells
     request:       a cell chosen with probability ∝ its live workers, seeded by the
                    request's uid (a retry lands in the same cell); cell 0 when no cell
                    has one (the first worker to start joins cell 0)
@@ -39,9 +40,18 @@ async def live_workers(redis: aioredis.Redis, model: str, shards: int) -> list[i
     return [sum(_live(raw, stamp) for raw in values) for values in await pipe.execute()]
 
 
-def cell_to_join(counts: Sequence[int]) -> int:
-    """The cell a starting worker joins: the one with the fewest live workers."""
-    return min(range(len(counts)), key=lambda k: (counts[k], k))
+async def join(redis: aioredis.Redis, model: str, shards: int) -> int:
+    """The cell a starting worker joins (one INCR and one read of every cell's heartbeats)."""
+    if shards == 1:
+        return 0
+    ticket = int(await redis.incr(keys.cell_joins(model)))
+    return cell_to_join(await live_workers(redis, model, shards), ticket)
+
+
+def cell_to_join(counts: Sequence[int], ticket: int = 0) -> int:
+    """The cell with the fewest live workers; among equals, the first from `ticket` round-robin."""
+    cells = len(counts)
+    return min(range(cells), key=lambda k: (counts[k], (k - ticket) % cells))
 
 
 def cell_for_request(counts: Sequence[int], request_uid: str) -> int:

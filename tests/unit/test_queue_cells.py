@@ -8,10 +8,16 @@ from llmserve.queue_cells import cell_for_request, cell_to_join
 
 
 def test_a_worker_joins_the_cell_with_fewest_live_workers():
-    assert cell_to_join([0, 0, 0]) == 0
     assert cell_to_join([1, 0, 0]) == 1
     assert cell_to_join([2, 1, 1]) == 1
+    assert cell_to_join([1, 1, 0], ticket=1) == 2
     assert cell_to_join([1]) == 0
+
+
+def test_workers_that_start_together_spread_over_the_cells():
+    # each saw no live worker yet; their tickets from the counter spread them round-robin
+    assert [cell_to_join([0, 0, 0], ticket) for ticket in (1, 2, 3, 4)] == [1, 2, 0, 1]
+    assert sorted(cell_to_join([0, 0], ticket) for ticket in (7, 8)) == [0, 1]
 
 
 def test_requests_go_to_cells_in_proportion_to_their_live_workers():
