@@ -1,0 +1,119 @@
+"""Cost of grammar masks: engine tok/s of 16 streams with and without a JSON-schema constraint.
+
+    .venv/bin/python -m bench.structured_output [--streams 16] [--output-len 64] [--rounds 3]
+
+One engine on the real model (CPU), the same prompts and seeded sampling; each round runs the
+free batch, then the constrained batch, so machine noise hits both alike. Every constrained
+sequence runs to --output-len: the schema needs longer documents than that (an array of at
+least 40 strings of 8+ characters), and free sequences ignore EOS, so both sides decode the
+same number of tokens. Prints tok/s of each side (best round and mean), the overhead, and the
+share of the constrained runs' time spent computing and applying masks (measured directly,
+so other load on the machine does not blur it as it blurs the tok/s comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from gpu_worker.engine.constraint import load_constraints
+from gpu_worker.engine.engine import EngineConfig, LLMEngine
+from gpu_worker.engine.sequence import SamplingParams, Sequence
+from gpu_worker.model.loader import load_model
+from llmserve import model_store
+from llmserve.grammar import grammar_of
+from llmserve.v1 import inference_pb2 as pb
+from tokenizer_svc.loader import load_tokenizer
+
+SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 30},
+    "items": {"type": "array", "minItems": 40, "items": {"type": "string", "minLength": 8, "maxLength": 24}}},
+    "required": ["title", "items"], "additionalProperties": False}
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
+    """(seconds, tokens generated) of one batch run to completion."""
+    seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+    start = time.perf_counter()
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - start, sum(len(s.output_token_ids) for s in seqs)
+
+
+def time_masks(constraints) -> list:
+    """Wrap constraints.apply_masks to add up [seconds, calls] it spends (reset by the caller)."""
+    totals = [0.0, 0]
+    inner = constraints.apply_masks
+
+    def timed(logits, seqs):
+        start = time.perf_counter()
+        out = inner(logits, seqs)
+        totals[0] += time.perf_counter() - start
+        totals[1] += 1
+        return out
+
+    constraints.apply_masks = timed
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=model_store.DEFAULT_MODEL)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = model_store.resolve(args.model)
+    tokenizer = load_tokenizer(path)
+    model = load_model(str(path), "cpu")
+    constraints = load_constraints(str(path), model.config.vocab_size)
+    engine = LLMEngine.create(model, EngineConfig(num_blocks=64 * args.streams, block_size=16,
+                                                  max_num_seqs=args.streams, max_num_batched_tokens=2048,
+                                                  enable_prefix_caching=False),   # both sides prefill alike
+                              constraints=constraints)
+    grammar = grammar_of(pb.ResponseFormat(json_schema=json.dumps(SCHEMA)))
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": f"List {40 + i} fruits as JSON."}])
+               for i in range(args.streams)]
+    eos = tuple(tokenizer.eos_token_ids)
+    sides = {
+        "free": [SamplingParams(temperature=0.8, seed=i, max_new_tokens=args.output_len, stop_token_ids=eos,
+                                ignore_eos=True) for i in range(args.streams)],
+        "json_schema": [SamplingParams(temperature=0.8, seed=i, max_new_tokens=args.output_len, stop_token_ids=eos,
+                                       grammar=grammar) for i in range(args.streams)],
+    }
+    run(engine, prompts[:2], [sides["json_schema"][0]] * 2)          # warm-up: vocabulary, grammar, kernels
+    masking = time_masks(constraints)
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    mask_shares: list[float] = []
+    for _ in range(args.rounds):
+        for side, params in sides.items():
+            masking[:] = [0.0, 0]
+            steps = engine.counters.steps
+            seconds, tokens = run(engine, prompts, params)
+            assert tokens == args.streams * args.output_len, (side, tokens)
+            rates[side].append(tokens / seconds)
+            if side == "json_schema":
+                mask_shares.append(masking[0] / seconds)
+            share = f", masks {1000 * masking[0] / max(1, masking[1]):.2f} ms/step = {100 * masking[0] / seconds:.1f} %"
+            print(f"  round: {side:<12} {tokens / seconds:7.1f} tok/s over {engine.counters.steps - steps} steps"
+                  + (share if masking[1] else ""))
+    print(f"{args.streams} streams x {args.output_len} tokens, {args.rounds} rounds, "
+          f"{torch.get_num_threads()} torch threads (tok/s includes prefill)")
+    for side, values in rates.items():
+        print(f"  {side:<12} best {max(values):7.1f} tok/s   mean {statistics.mean(values):7.1f} tok/s")
+    best = max(rates["free"]), max(rates["json_schema"])
+    print(f"  tok/s overhead (best vs best): {100 * (1 - best[1] / best[0]):.1f} %; time in masks in the "
+          f"constrained runs: {100 * statistics.mean(mask_shares):.1f} % (on a shared machine trust this one)")
+
+
+if __name__ == "__main__":
+    main()
