@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
+from prometheus_client import REGISTRY
 
 from gateway.config import GatewaySettings
 from gateway.quota import tenant_keys
@@ -131,11 +132,15 @@ async def test_generate_streams_contiguous_chunks_with_headers(env):
 
 
 async def test_complete_aggregates(env):
+    served_ok = {"model": MODEL, "code": "OK"}
+    before = REGISTRY.get_sample_value("llmserve_gateway_model_requests_total", served_ok) or 0.0
     call = env.stub.Complete(req("complete-1"), metadata=ACME, timeout=30)
     reply = await call
     assert reply.text == ANSWER and list(reply.token_ids) == expected_ids(env)
     assert reply.finish_reason == pb.FINISH_REASON_LENGTH and reply.request_id == "complete-1"
-    assert dict(await call.initial_metadata())["x-request-id"] == "complete-1"
+    headers = dict(await call.initial_metadata())
+    assert headers["x-request-id"] == "complete-1" and headers["x-served-model"] == MODEL
+    assert REGISTRY.get_sample_value("llmserve_gateway_model_requests_total", served_ok) == before + 1
 
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer nope"),), (("authorization", "acme-key"),)])
