@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: it imports torch._dynamo (~5 s at every worker start)
 import torch
 
 from gpu_worker.engine.sequence import Sequence
@@ -111,8 +111,8 @@ class Constraints:
         """[R, vocab] bool: tokens each sequence's grammar accepts next (EOS only where it accepts)."""
         words = (self.tokenizer.vocab_size + 31) // 32
         bitmask = torch.zeros(len(seqs), words, dtype=torch.int32)                 # [R, words]
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(seq.matcher, row) for row, seq in enumerate(seqs)], bitmask)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._executor, [(seq.matcher, row) for row, seq in enumerate(seqs)], bitmask.numpy())
         bits = ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().view(len(seqs), -1)   # [R, words * 32]
         if bits.shape[1] >= self.vocab_size:
             allowed = bits[:, :self.vocab_size].clone()
