@@ -1,5 +1,6 @@
 """Grammar libraries on SmolLM2's 49k vocabulary: schema compile time and token-mask time.
 
+    .venv/bin/pip install xgrammar==0.2.9 outlines-core==0.2.14   # the two not chosen (llguidance is a dependency)
     .venv/bin/python bench/grammar_libs.py [--model PATH] [--repeat 3]
 
 For llguidance, xgrammar and outlines-core, on this CPU, with the real SmolLM2 tokenizer:
