@@ -16,18 +16,16 @@ every `refresh_s` by one background task: a `llmserve route` reaches every gatew
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from llmserve import keys, routes
-from llmserve.clock import now_ms
+from llmserve import queue_cells, routes
 from llmserve.errors import NotFound
 from llmserve.models_file import ModelsConfig
-from llmserve.v1 import queue_pb2
+from llmserve.seeded_pick import weighted_pick
 
 logger = structlog.get_logger(__name__)
 
@@ -38,18 +36,6 @@ class Route:
 
     requested: str   # the alias or id as named (the default filled in)
     model: str       # concrete NAME@VERSION
-
-
-def weighted_pick(weights: dict[str, int], request_id: str, salt: str) -> str:
-    """One target, with probability weight / total, fixed by (request_id, salt)."""
-    total = sum(weights.values())
-    digest = hashlib.blake2b(f"{salt}\0{request_id}".encode(), digest_size=8).digest()
-    point = int.from_bytes(digest, "big") % total
-    for target in sorted(weights):
-        point -= weights[target]
-        if point < 0:
-            return target
-    raise AssertionError("weights changed under the pick")
 
 
 def version_of(model_id: str) -> str:
@@ -100,11 +86,7 @@ class Router:
             self.live[model] = await self._live_workers(model)
 
     async def _live_workers(self, model: str) -> int:
-        now, beats = now_ms(), []
-        for shard in range(self.queue_shards):
-            beats += [queue_pb2.WorkerHeartbeat.FromString(raw)
-                      for raw in (await self.redis.hgetall(keys.workers_hash(model, shard))).values()]
-        return sum(1 for b in beats if not b.draining and now - b.sent_unix_ms <= self.heartbeat_ttl_ms)
+        return sum(await queue_cells.live_workers(self.redis, model, self.queue_shards, self.heartbeat_ttl_ms))
 
     async def _refresh_loop(self) -> None:
         while True:

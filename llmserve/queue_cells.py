@@ -17,7 +17,6 @@ and fairness hold inside each cell, over a uniform sample of the traffic.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Sequence
 
@@ -25,19 +24,21 @@ import redis.asyncio as aioredis
 
 from llmserve import keys
 from llmserve.clock import now_ms
+from llmserve.seeded_pick import weighted_pick
 from llmserve.v1 import queue_pb2
 
 # A heartbeat older than this is a silent worker (the batcher's default heartbeat_ttl_ms).
 LIVE_WITHIN_MS = 3000
 
 
-async def live_workers(redis: aioredis.Redis, model: str, shards: int) -> list[int]:
+async def live_workers(redis: aioredis.Redis, model: str, shards: int,
+                       live_within_ms: int = LIVE_WITHIN_MS) -> list[int]:
     """Live, non-draining workers per cell (one pipelined round trip)."""
     pipe = redis.pipeline(transaction=False)
     for shard in range(shards):
         pipe.hvals(keys.workers_hash(model, shard))
     stamp = now_ms()
-    return [sum(_live(raw, stamp) for raw in values) for values in await pipe.execute()]
+    return [sum(_live(raw, stamp, live_within_ms) for raw in values) for values in await pipe.execute()]
 
 
 async def join(redis: aioredis.Redis, model: str, shards: int) -> int:
@@ -56,15 +57,9 @@ def cell_to_join(counts: Sequence[int], ticket: int = 0) -> int:
 
 def cell_for_request(counts: Sequence[int], request_uid: str) -> int:
     """A cell with probability ∝ its live workers, the same one for the same request uid."""
-    total = sum(counts)
-    if total == 0:
+    if sum(counts) == 0:
         return 0
-    point = int.from_bytes(hashlib.blake2b(request_uid.encode(), digest_size=8).digest(), "big") % total
-    for shard, count in enumerate(counts):
-        if point < count:
-            return shard
-        point -= count
-    raise AssertionError("unreachable: point < total")
+    return weighted_pick(dict(enumerate(counts)), request_uid, "cell")
 
 
 class CellChooser:
@@ -84,9 +79,9 @@ class CellChooser:
         return cell_for_request(counts, request_uid)
 
 
-def _live(raw: bytes, stamp: int) -> bool:
+def _live(raw: bytes, stamp: int, live_within_ms: int) -> bool:
     try:
         beat = queue_pb2.WorkerHeartbeat.FromString(raw)
     except Exception:  # noqa: BLE001 - DecodeError and friends: an undecodable heartbeat is no worker
         return False
-    return not beat.draining and stamp - beat.sent_unix_ms < LIVE_WITHIN_MS
+    return not beat.draining and stamp - beat.sent_unix_ms < live_within_ms

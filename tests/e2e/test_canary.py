@@ -3,7 +3,7 @@ from a models file: the same SmolLM2 GGUF served as smollm2-135m@v1 and @v2 (one
 each), the alias smollm2-135m at 95/5, two gateways.
 
 Which version served a request is read from its x-served-model header; request ids whose
-weighted pick is known (gateway.routing.weighted_pick) make the routing tests deterministic.
+weighted pick is known (llmserve.seeded_pick.weighted_pick) make the routing tests deterministic.
 The drain test stops every v2 worker, so it runs last."""
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import grpc
 import pytest
 import redis
 
-from gateway.routing import weighted_pick
 from gateway.tenants import hash_key
 from llmserve import keys, routes
+from llmserve.seeded_pick import weighted_pick
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc, queue_pb2
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing import Router, weighted_pick
+from gateway.routing import Router
 from gateway.tenants import parse_tenant
 from llmserve import model_store
 from llmserve.cli import parse_targets
 from llmserve.errors import NotFound
 from llmserve.models_file import ModelsFileError, from_setting, parse_models
+from llmserve.seeded_pick import weighted_pick
 
 V1, V2 = "smollm2-135m@v1", "smollm2-135m@v2"
 FILE = f"""
