@@ -37,6 +37,7 @@ from gpu_worker.model.llama import LlamaModel  # noqa: E402
 from gpu_worker.model.metadata import AttentionMetadata  # noqa: E402
 from gpu_worker.ops import cuda  # noqa: E402
 from gpu_worker.ops.cuda_graphs import DecodeGraphRunner  # noqa: E402
+from gpu_worker.ops.quantized_linear import int8_per_channel  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -189,8 +190,7 @@ def bench_int8_gemv(copy_bw: float) -> list[dict]:
     rows = []
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
-        scale = (w.float().abs().amax(dim=1) / 127).clamp(min=1e-12)
-        q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        q, scale = int8_per_channel(w)
         for tokens in (1, 8, 32):
             x = torch.randn(tokens, k, device="cuda", dtype=DTYPE)
             ours = time_graph(lambda x=x, q=q, scale=scale: cuda.int8_linear(x, q, scale))

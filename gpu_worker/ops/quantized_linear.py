@@ -59,16 +59,22 @@ class QuantizedWeight(nn.Module):
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: weight [N, K] ~ q[n, k] * scale[n]; returns (q int8, scale fp32)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
 class Int8Weight(QuantizedWeight):
     """Symmetric per-output-channel int8: W[n, k] ~ q[n, k] * scale[n]."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [N, K] float."""
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
-        self.out_features, self.in_features = w.shape
-        self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
+        q, scale = int8_per_channel(weight)
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q)  # [N, K]
         self.register_buffer("scale", scale.to(ACT_DTYPE))  # [N]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +110,9 @@ class CudaInt8Weight(QuantizedWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [N, K] float, on the GPU."""
         super().__init__()
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
-        self.out_features, self.in_features = w.shape
-        self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [N, K]
+        q, scale = int8_per_channel(weight)
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("q", q)  # [N, K]
         self.register_buffer("scale", scale)  # [N] fp32
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
