@@ -1,7 +1,8 @@
 """The Kubernetes dev overlay's configuration starts a working stack.
 
 Each service runs as its pod would: the container's command, the shared ConfigMap, the container's env
-(Secret references empty: the test Valkey has no password; the downward-API pod name filled in). Only
+(Secret references empty: the test Valkey has no password; the downward-API pod name filled in), the
+ConfigMap volumes it mounts (written to a temp dir, paths under the mount point pointed there). Only
 addresses change: 127.0.0.1 and free ports instead of pod IPs and fixed ports. One request goes through,
 then every service gets SIGTERM and must exit 0 (the drain path the manifests' grace periods are sized for).
 """
@@ -15,7 +16,7 @@ import grpc
 import kustomize_render as kustomize
 import pytest
 
-from llmserve import keys
+from llmserve import keys, model_store
 from llmserve.stack import REPO_ROOT, ServiceProcess
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
@@ -47,6 +48,21 @@ def pod_env(objects: list[dict], container: dict, pod_name: str) -> dict[str, st
     return env
 
 
+def mount_config_maps(objects: list[dict], pod_spec: dict, container: dict, root) -> dict[str, str]:
+    """The ConfigMap volumes `container` mounts, their files written under `root`: mount path -> local dir."""
+    config_maps = {o["metadata"]["name"]: o["data"] for o in objects if o["kind"] == "ConfigMap"}
+    volumes = {v["name"]: v["configMap"]["name"] for v in pod_spec.get("volumes", []) if "configMap" in v}
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        if mount["name"] in volumes:
+            local = root / mount["name"]
+            local.mkdir(parents=True, exist_ok=True)
+            for filename, text in config_maps[volumes[mount["name"]]].items():
+                (local / filename).write_text(text)
+            mounts[mount["mountPath"]] = str(local)
+    return mounts
+
+
 @pytest.fixture
 def valkey():
     """A Valkey of its own: no heartbeats or queues left over from other tests."""
@@ -61,8 +77,11 @@ def test_dev_overlay_config_serves_and_drains(valkey, tmp_path, auth_metadata):
     procs: dict[str, ServiceProcess] = {}
     try:
         for name in START_ORDER:
-            container = deployments[name]["spec"]["template"]["spec"]["containers"][0]
+            pod_spec = deployments[name]["spec"]["template"]["spec"]
+            container = pod_spec["containers"][0]
             env = pod_env(objects, container, POD_NAMES[name])
+            for mount_path, local in mount_config_maps(objects, pod_spec, container, tmp_path / name).items():
+                env = {k: v.replace(mount_path, local) for k, v in env.items()}
             env.update(LLMSERVE_HOST="127.0.0.1",
                        LLMSERVE_METRICS_PORT=str(free_port()), LLMSERVE_REDIS_URL=valkey.url, PYTHONUNBUFFERED="1")
             if name == "gateway":
@@ -84,7 +103,9 @@ def test_dev_overlay_config_serves_and_drains(valkey, tmp_path, auth_metadata):
         import redis
 
         client = redis.Redis.from_url(valkey.url)
-        assert client.hkeys(keys.workers_hash("smollm2-135m")) == [POD_NAMES["worker"].encode()]
+        worker_env = pod_env(objects, deployments["worker"]["spec"]["template"]["spec"]["containers"][0], "")
+        served = model_store.model_id(worker_env["LLMSERVE_MODEL"])
+        assert client.hkeys(keys.workers_hash(served)) == [POD_NAMES["worker"].encode()]
         client.close()
     finally:
         codes = {name: procs[name].stop(timeout_s=120) for name in reversed(START_ORDER) if name in procs}
