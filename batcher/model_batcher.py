@@ -293,16 +293,20 @@ class ModelBatcher:
         """End items without dispatch: final event first, then ack (if still ours)."""
         await write_final(self.redis, [(h.item, final_event(h.item, reason, detail)) for h, reason, detail in drops],
                           self.settings.events_ttl_s)
-        helds = [h for h, _, _ in drops]
-        for _ in range(2):  # the script acks all or nothing: retry without entries another replica owns
-            result = await self.scripts.ack(self.model, self.shard, self.consumer, _sources(helds))
-            helds = [h for h in helds if h.ref not in set(result.lost)]
-            if result.ok or not helds:
-                break
+        await self._ack_held([h for h, _, _ in drops])
         for held, reason, _ in drops:
             metrics.DROPS.labels(self.model, reason.value).inc()
             logger.info("dropped queued request", model=self.model, request_id=held.item.request_id,
                         tenant=held.item.tenant, reason=reason.value)
+
+    async def _ack_held(self, helds: list[Held]) -> None:
+        """Ack and delete held entries that are still ours (the script acks all or nothing: retry once
+        without the entries another replica owns now)."""
+        for _ in range(2):
+            result = await self.scripts.ack(self.model, self.shard, self.consumer, _sources(helds))
+            helds = [h for h in helds if h.ref not in set(result.lost)]
+            if result.ok or not helds:
+                break
 
     async def _ack(self, stream: str, group: str, ids: list[str]) -> None:
         await self.scripts.ack(self.model, self.shard, self.consumer, [Source(stream, group, ids)])
@@ -340,11 +344,7 @@ class ModelBatcher:
         except (RedisError, OSError):
             self.queue.extend(helds)
             raise
-        result = await self.scripts.ack(self.model, self.shard, self.consumer, _sources(helds))
-        if not result.ok:  # some were reclaimed by another replica meanwhile: ack the rest
-            lost = set(result.lost)
-            await self.scripts.ack(self.model, self.shard, self.consumer,
-                                   _sources([h for h in helds if h.ref not in lost]))
+        await self._ack_held(helds)
         metrics.RECLAIMS.labels(self.model, "rehomed").inc(len(helds))
         logger.info("moved held items to another queue cell", model=self.model, shard=self.shard,
                     to_shard=target, items=len(helds))

@@ -95,8 +95,9 @@ class Reclaimer:
         """Re-dispatch dead workers' batches to this cell's live workers; when it has none, move
         them to a sibling cell that has (batcher/rehome.py); when no cell has, leave them."""
         ctx, now = self.ctx, now_ms()
-        rehome_to = None if ctx.pool.accepting(now) else ctx.rehome_to()
-        if rehome_to is None and not ctx.pool.accepting(now):
+        accepting = bool(ctx.pool.accepting(now))
+        rehome_to = None if accepting else ctx.rehome_to()
+        if not accepting and rehome_to is None:
             return  # nobody to hand batches to: leave them where they are
         for raw in await ctx.redis.smembers(keys.inboxes_set(ctx.model, ctx.shard)):
             worker_id = _text(raw)

@@ -74,10 +74,9 @@ class BatcherService:
         """Another cell of `model` whose workers accept batches (the one with most of them), for a
         cell that has none left."""
         stamp = now_ms()
-        live = [(len(c.pool.accepting(stamp)), -c.shard, c.shard) for c in self.cells
-                if c.model == model and c.shard != shard]
-        best = max(live, default=(0, 0, None))
-        return best[2] if best[0] > 0 else None
+        live = {c.shard: len(c.pool.accepting(stamp)) for c in self.cells if c.model == model and c.shard != shard}
+        best = max(live, key=lambda k: (live[k], -k), default=None)
+        return best if best is not None and live[best] > 0 else None
 
     def _loop_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
