@@ -2,9 +2,9 @@
 
 One forward runs every sequence of a step at once (prefill chunks then decodes,
 see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
-matmuls (cuBLAS on GPU; on CPU after `prepack_for_cpu`, oneDNN with prepacked fp32 weights
-or torch's weight-only int8/int4 kernels). Q/K/V and gate/up projections are fused into one
-GEMM each. CPU decode attention reads the paged cache in place (ops/cpu_attention.py).
+matmuls (cuBLAS on GPU; on CPU after `prepack_for_cpu`, oneDNN with prepacked fp32 weights,
+torch's weight-only int8 kernel, or int4 as GGUF Q4_1 blocks on a C kernel). Q/K/V and gate/up projections are fused into one
+GEMM each. On CPU the small ops and decode attention are C kernels (ops/cpu.py).
 
 Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
 """
@@ -22,7 +22,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
-from gpu_worker.ops import cpu_attention, get_ops, packed_linear, quantized_linear
+from gpu_worker.ops import get_ops, packed_linear, quantized_linear
 from gpu_worker.ops.packed_linear import linear
 
 
@@ -77,9 +77,7 @@ class LlamaDecoderLayer(nn.Module):
                 meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
             )
         if meta.num_decodes > 0:
-            # on CPU a kernel that reads the blocks in place (ops/cpu_attention.py)
-            decode_attention = cpu_attention.paged_decode_attention if q.is_cpu else ops.paged_decode_attention
-            out[num_prefill:] = decode_attention(
+            out[num_prefill:] = ops.paged_decode_attention(
                 q[num_prefill:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale,
             )
         return linear(out.view(-1, c.q_size), self.o_weight)  # [T, H]
@@ -179,7 +177,8 @@ class LlamaModel(nn.Module):
     def prepack_for_cpu(self, quantization: str = "none") -> bool:
         """Swap every GEMM weight for its CPU form: oneDNN-prepacked fp32/bf16 (ops/packed_linear.py)
         or, with `quantization` int8/int4, a weight-only quantized one (ops/quantized_linear.py).
-        The vocab head stays prepacked fp32: bf16 logits would round near-ties together. The model
+        The vocab head stays prepacked fp32 (bf16 logits would round near-ties together), except beside
+        int4 on the block kernel: Q8_0 blocks with fp32 logits, as a GGUF file keeps it. The model
         is inference-only afterwards (no load_weights, no .to()). False where prepacking is unsupported."""
         if self.device.type != "cpu" or not packed_linear.available(self.dtype):
             return False
@@ -187,7 +186,8 @@ class LlamaModel(nn.Module):
             for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
                 _replace(layer, name, _cpu_weight(getattr(layer, name), quantization))
         # the embedding lookup needs the plain table, so a tied head gets its own copy
-        _replace(self, "lm_head", _cpu_weight(self.lm_head, "none"))
+        head = quantized_linear.quantize_head(self.lm_head, quantization)
+        _replace(self, "lm_head", head if head is not None else _cpu_weight(self.lm_head, "none"))
         self.share_lm_head = False
         return True
 

@@ -1,6 +1,6 @@
 """Hot ops behind one narrow interface, so the CUDA backend drops in without model changes.
 
-Both backends export the same functions with the same signatures (see `reference.py`):
+Both backends export the same functions with the same signatures as `reference.py`:
 rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul, write_kv_cache,
 paged_decode_attention, paged_prefill_attention.
 """
@@ -12,11 +12,12 @@ from types import ModuleType
 
 import torch
 
-_BACKENDS = {"cpu": "gpu_worker.ops.reference", "cuda": "gpu_worker.ops.cuda"}
+_BACKENDS = {"cpu": "gpu_worker.ops.cpu", "cuda": "gpu_worker.ops.cuda"}
 
 
 def get_ops(device: str | torch.device) -> ModuleType:
-    """The ops module for a device: "cpu" → torch reference, "cuda"/"cuda:N" → CuPy kernels (lazy import)."""
+    """The ops module for a device: "cpu" → the reference with C kernels (ops/cpu.py), "cuda"/"cuda:N" →
+    CuPy kernels (lazy import)."""
     kind = torch.device(device).type
     if kind not in _BACKENDS:
         raise ValueError(f"no ops backend for device {device!r} (have: {', '.join(_BACKENDS)})")

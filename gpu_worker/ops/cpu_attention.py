@@ -5,60 +5,29 @@ sequence's blocks into a dense [B, L, Hk, D] copy, then runs SDPA over it: at 32
 of 256 tokens that copy was a quarter of a decode step. The C kernel walks each sequence's
 block table instead, so K and V are read once and never written.
 
-The kernel is a small C file compiled once with the system C compiler (`cc`, OpenMP) into
-`<cache_dir>/cpu_kernels/`, keyed by a hash of its source and flags, and called through
-ctypes; no torch headers, so the build takes about a second. Where there is no compiler,
-or the cache is not fp32, `paged_decode_attention` falls back to the reference.
+The kernel is a small C file built on first use (ops/cpu_kernels.py). Where it cannot be
+built, or the cache is not fp32, `paged_decode_attention` falls back to the reference.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
-import structlog
 import torch
 
-from gpu_worker.ops import reference
-from llmserve import model_store
+from gpu_worker.ops import cpu_kernels, reference
 
-logger = structlog.get_logger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-
-
-def _build(target: Path) -> None:
-    """Compile SOURCE into `target` (atomic: a concurrent worker sees the whole file or none)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    compiler = os.environ.get("CC") or "cc"
-    subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True)
-    tmp.replace(target)
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use; None where it cannot be built or loaded."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = model_store.cache_dir() / "cpu_kernels" / f"paged_attention-{digest}.so"
-    try:
-        if not target.exists():
-            if shutil.which(os.environ.get("CC") or "cc") is None:
-                raise FileNotFoundError("no C compiler (cc)")
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        logger.warning("cpu paged attention kernel unavailable; using the gather + SDPA reference", error=str(exc))
-        return None
-    lib.paged_decode_attention_f32.argtypes = _ARGS
-    lib.paged_decode_attention_f32.restype = ctypes.c_int
+    """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
+    lib = cpu_kernels.load("cpu_paged_attention")
+    if lib is not None:
+        lib.paged_decode_attention_f32.argtypes = _ARGS
+        lib.paged_decode_attention_f32.restype = ctypes.c_int
     return lib
 
 
@@ -87,11 +56,11 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
-    with torch.profiler.record_function("cpu_paged_decode_attention"):  # ctypes calls are invisible otherwise
+    with cpu_kernels.traced("cpu_paged_decode_attention"):
         rc = lib.paged_decode_attention_f32(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
             num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1],
-            scale, torch.get_num_threads(),
+            scale, min(torch.get_num_threads(), num_seqs),  # a thread per sequence at most
         )
     if rc != 0:
         raise RuntimeError(f"cpu paged decode attention failed ({num_heads} heads > 128, or no memory)")

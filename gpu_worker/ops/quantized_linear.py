@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_worker.ops import cpu_block_linear
+
 ACT_DTYPE = torch.bfloat16
 INT4_GROUP = 32
 _INT4_INNER_K_TILES = 2  # the packed layout's K tiling; K must be a multiple of 16 * this
@@ -81,27 +83,84 @@ class Int8Weight(QuantizedWeight):
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit in groups of 32 along K (GGUF Q4_1): weight [N, K] ~ codes * scale + low per group;
+    returns (codes [N, K/32, 32] int32 in 0..15, scale [N, K/32], low [N, K/32])."""
+    n, k = weight.shape
+    if k % INT4_GROUP:
+        raise ValueError(f"int4 needs in_features to be a multiple of {INT4_GROUP}, not {k}")
+    groups = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)  # [N, K/32, 32]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/32]
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return codes, scale, low
+
+
 class Int4Weight(QuantizedWeight):
-    """Asymmetric int4 in groups of 32 along K: W[n, k] ~ (q[n, k] - 8) * scale[g, n] + zero[g, n], g = k // 32."""
+    """int4_groups on torch's kernel: W[n, k] ~ (q[n, k] - 8) * scale[g, n] + zero[g, n], g = k // 32."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [N, K] float, K a multiple of 32."""
         super().__init__()
         n, k = weight.shape
-        if k % (16 * _INT4_INNER_K_TILES) or k % INT4_GROUP:
-            raise ValueError(f"int4 needs in_features to be a multiple of 32, not {k}")
-        groups = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)  # [N, K/32, 32]
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/32]
-        scale = ((high - low) / 15).clamp(min=1e-12)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+        if k % (16 * _INT4_INNER_K_TILES):
+            raise ValueError(f"int4 needs in_features to be a multiple of {16 * _INT4_INNER_K_TILES}, not {k}")
+        codes, scale, low = int4_groups(weight)
         self.out_features, self.in_features = n, k
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, _INT4_INNER_K_TILES))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(n, k), _INT4_INNER_K_TILES)
+        self.register_buffer("packed", packed)
         # [K/32, N, 2]: the kernel's (scale, zero) pairs; zero is the value of code 8
         pairs = torch.stack([scale.t(), (low + 8 * scale).t()], dim=-1)
         self.register_buffer("scale_zero", pairs.contiguous().to(ACT_DTYPE))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
+
+
+class BlockWeight(QuantizedWeight):
+    """A weight in blocks of 32 on the C kernel (ops/cpu_block_linear.py), fp32 in and out."""
+
+    kind: str
+    offsets: torch.Tensor | None
+
+    def __init__(self, blocks: torch.Tensor, offsets: torch.Tensor | None, out_features: int,
+                 in_features: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("blocks", blocks)  # [N, K/32 * block bytes] uint8
+        self.register_buffer("offsets", offsets)  # [N, K/32] fp32 or None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = cpu_block_linear.linear(self.kind, x.float(), self.blocks, self.offsets, self.out_features)
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if bias is None else out + bias
+
+
+class Q4_1Weight(BlockWeight):
+    """int4_groups as GGUF Q4_1 blocks (fp16 scale; the offsets in fp32): a Q4_1 file's weights come back exactly."""
+
+    kind = "q4_1"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        """weight: [N, K] float, K a multiple of 32."""
+        codes, scale, low = int4_groups(weight)
+        super().__init__(cpu_block_linear.pack_q4_1(codes, scale), low.contiguous(), *weight.shape)
+
+
+class Q8_0Weight(BlockWeight):
+    """Symmetric int8 in groups of 32 along K (GGUF Q8_0): W ~ code * d per group (a Q8_0 file's exactly)."""
+
+    kind = "q8_0"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        """weight: [N, K] float, K a multiple of 32."""
+        n, k = weight.shape
+        if k % cpu_block_linear.BLOCK:
+            raise ValueError(f"q8_0 needs in_features to be a multiple of {cpu_block_linear.BLOCK}, not {k}")
+        groups = weight.detach().float().view(n, k // cpu_block_linear.BLOCK, cpu_block_linear.BLOCK)
+        d = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)  # [N, K/32]
+        codes = torch.round(groups / d[..., None]).clamp(-127, 127)
+        super().__init__(cpu_block_linear.pack_q8_0(codes, d), None, n, k)
 
 
 class CudaInt8Weight(QuantizedWeight):
@@ -127,5 +186,16 @@ CUDA_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": CudaInt8Weight}
 
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
-    """A float weight [N, K] -> the same linear in format `fmt` (a key of FORMATS)."""
+    """A float CPU weight [N, K] -> the same linear in format `fmt` (a key of FORMATS); int4 runs as
+    Q4_1 blocks on the C kernel where it builds, else on torch's int4 kernel."""
+    if fmt == "int4" and cpu_block_linear.library() is not None:
+        return Q4_1Weight(weight)
     return FORMATS[fmt](weight)
+
+
+def quantize_head(weight: torch.Tensor, fmt: str) -> QuantizedWeight | None:
+    """The vocab head for layers in format `fmt`: Q8_0 blocks beside int4 on the C kernel (a GGUF's
+    own head format, fp32 logits), else None (the head stays fp32)."""
+    if fmt == "int4" and cpu_block_linear.library() is not None and weight.shape[1] % cpu_block_linear.BLOCK == 0:
+        return Q8_0Weight(weight)
+    return None

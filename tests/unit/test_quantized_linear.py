@@ -1,4 +1,7 @@
-"""Weight-only int8 / int4 CPU linears: close to F.linear, compact, and each row independent of the batch."""
+"""Weight-only int8 / int4 CPU linears: close to F.linear, compact, and each row independent of the batch.
+
+int4 runs as GGUF Q4_1 blocks on the C kernel (ops/cpu_block_linear.c) where it builds, else on
+torch's int4 kernel; both are checked here, and the Q8_0 vocab head beside them."""
 
 from __future__ import annotations
 
@@ -10,10 +13,18 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import packed_linear, quantized_linear
-from gpu_worker.ops.quantized_linear import Int4Weight, Int8Weight
+from gpu_worker.ops import cpu_block_linear, packed_linear, quantized_linear
+from gpu_worker.ops.quantized_linear import Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight
 
 FORMATS = sorted(quantized_linear.FORMATS)
+needs_block_kernel = pytest.mark.skipif(cpu_block_linear.library() is None,
+                                        reason="no C compiler or no AVX2/FMA/F16C for the block kernel")
+# every CPU linear class, each as the format it implements
+CLASSES = [Int8Weight, Int4Weight, pytest.param(Q4_1Weight, marks=needs_block_kernel),
+           pytest.param(Q8_0Weight, marks=needs_block_kernel)]
+# relative error against F.linear: int8 per channel keeps ~1/254 of a row's range, Q8_0 ~1/254 of a
+# group's, int4 in groups of 32 ~1/30 of a group's
+TOLERANCE = {Int8Weight: 0.01, Int4Weight: 0.08, Q4_1Weight: 0.08, Q8_0Weight: 0.01}
 
 
 def q4_1_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -26,19 +37,18 @@ def q4_1_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return (codes * d + m).view(n, k)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_close_to_f_linear(fmt, with_bias):
+def test_close_to_f_linear(cls, with_bias):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(320, 96, generator=gen) * 0.05
     b = torch.randn(320, generator=gen) if with_bias else None
     x = torch.randn(37, 96, generator=gen)
-    out = quantized_linear.quantize(w, fmt)(x, b)
+    out = cls(w)(x, b)
     assert out.dtype == torch.float32 and out.shape == (37, 320)
     ref = F.linear(x, w, b)
-    # int8 per channel keeps ~1/254 of a row's range; int4 in groups of 32 ~1/30 of a group's
     rel = (out - ref).norm() / ref.norm()
-    assert rel < {"int8": 0.01, "int4": 0.08}[fmt], rel
+    assert rel < TOLERANCE[cls], rel
 
 
 def test_int4_recovers_q4_1_codes_exactly():
@@ -52,29 +62,78 @@ def test_int4_recovers_q4_1_codes_exactly():
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=2e-2)  # bf16 output rounding only
 
 
+@needs_block_kernel
+def test_q4_1_blocks_hold_a_q4_1_file_exactly_and_the_kernel_follows_fp32():
+    """A Q4_1-dequantized weight packs back to its own codes, d (exact in fp16) and m, so the
+    block kernel differs from an fp32 GEMM only by its 16-bit activation codes: ~1e-5 relative,
+    against bf16 activations' ~1e-2 on torch's kernel."""
+    gen = torch.Generator().manual_seed(3)
+    w = q4_1_weight(64, 128, gen)
+    weight = Q4_1Weight(w)
+    blocks = weight.blocks.view(64, 4, 18)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    codes = torch.cat([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], dim=-1).float()  # byte j: code j | code j+16
+    assert torch.equal((codes * d + weight.offsets[..., None]).view(64, 128), w)
+    x = torch.randn(5, 128, generator=gen)
+    out, ref = Q4_1Weight(w)(x), F.linear(x, w)
+    assert ((out - ref).norm() / ref.norm()) < 1e-4
+
+
+@needs_block_kernel
+def test_q8_0_blocks_hold_a_q8_0_file_exactly():
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(-127, 128, (32, 4, 32), generator=gen)
+    codes[..., 0] = 127  # every group uses its full range, as GGUF's quantizer leaves it
+    d = (torch.rand(32, 4, 1, generator=gen) * 0.01 + 0.001).half().float()
+    w = (codes * d).view(32, 128)
+    blocks = Q8_0Weight(w).blocks.view(32, 4, 34)
+    assert torch.equal(blocks[..., 2:].contiguous().view(torch.int8).long(), codes)
+    assert torch.equal(blocks[..., 0:2].contiguous().view(torch.float16).float(), d)
+
+
 def test_int8_stores_one_byte_per_weight_and_int4_half():
     w = torch.randn(256, 128)
     assert Int8Weight(w).nbytes == 256 * 128 + 256 * 2
     assert Int4Weight(w).nbytes == 256 * 128 // 2 + (128 // 32) * 256 * 2 * 2
 
 
-def test_int4_rejects_a_width_not_a_multiple_of_32():
+@pytest.mark.parametrize("cls", [Int4Weight, pytest.param(Q4_1Weight, marks=needs_block_kernel),
+                                 pytest.param(Q8_0Weight, marks=needs_block_kernel)])
+def test_group_formats_reject_a_width_not_a_multiple_of_32(cls):
     with pytest.raises(ValueError, match="multiple of 32"):
-        Int4Weight(torch.randn(8, 40))
+        cls(torch.randn(8, 40))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("n_out,k", [(960, 576), (3072, 576), (576, 1536), (49152, 576)])
-def test_rows_are_bitwise_independent_of_batch_size(fmt, n_out, k):
-    """Batch invariance of greedy output rests on this (SmolLM2's GEMM shapes)."""
+def test_rows_are_bitwise_independent_of_batch_size(cls, n_out, k):
+    """Batch invariance of greedy output rests on this (SmolLM2's GEMM shapes); rows 0-3 are
+    checked at every batch size, the last rows where a batch ends mid-tile too."""
     gen = torch.Generator().manual_seed(1)
-    weight = quantized_linear.quantize(torch.randn(n_out, k, generator=gen) * 0.05, fmt)
-    x = torch.randn(64, k, generator=gen)
-    alone = [weight(x[i:i + 1]) for i in range(4)]
-    for m in (1, 2, 3, 5, 16, 17, 33, 64):
+    weight = cls(torch.randn(n_out, k, generator=gen) * 0.05)
+    x = torch.randn(130, k, generator=gen)
+    alone = [weight(x[i:i + 1]) for i in range(130)]
+    for m in (1, 2, 3, 5, 16, 17, 33, 64, 65, 130):
         batch = weight(x[:m])
-        for i in range(min(m, 4)):
+        for i in sorted({*range(min(m, 4)), m - 1}):
             assert torch.equal(batch[i:i + 1], alone[i]), (m, i)
+
+
+@pytest.mark.parametrize("cls", [pytest.param(Q4_1Weight, marks=needs_block_kernel),
+                                 pytest.param(Q8_0Weight, marks=needs_block_kernel)])
+def test_block_kernel_rows_do_not_depend_on_the_thread_count(cls):
+    gen = torch.Generator().manual_seed(5)
+    weight = cls(torch.randn(1000, 576, generator=gen) * 0.05)
+    x = torch.randn(9, 576, generator=gen)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(weight(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 @pytest.mark.skipif(not packed_linear.available(), reason="torch build without oneDNN prepacking")
@@ -90,9 +149,14 @@ def test_quantized_model_gives_close_logits(fmt):
     quantized = LlamaModel(config, "cpu", torch.float32)
     quantized.load_state_dict(plain.state_dict())
     assert quantized.prepack_for_cpu(fmt)
-    assert isinstance(quantized.layers[0].qkv_weight, quantized_linear.FORMATS[fmt])
+    block_kernel = cpu_block_linear.library() is not None
+    layer_class = Q4_1Weight if fmt == "int4" and block_kernel else quantized_linear.FORMATS[fmt]
+    assert type(quantized.layers[0].qkv_weight) is layer_class
     assert "qkv_weight" not in dict(quantized.named_parameters(recurse=False))
-    assert quantized.lm_head.is_mkldnn  # the vocab head stays prepacked fp32
+    if fmt == "int4" and block_kernel:  # Q8_0 head beside Q4_1 layers, as a GGUF file has them
+        assert isinstance(quantized.lm_head, Q8_0Weight)
+    else:
+        assert quantized.lm_head.is_mkldnn  # the vocab head stays prepacked fp32
 
     n = 9
     meta = AttentionMetadata(
