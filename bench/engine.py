@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from gpu_worker.config import QUANTIZATIONS
+from gpu_worker.config import WEIGHT_FORMATS
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.llama import LlamaModel
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    parser.add_argument("--formats", default=",".join(QUANTIZATIONS), help="engine weight formats (--quantization)")
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="engine weight formats (--quantization)")
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.config import QUANTIZATIONS
+from gpu_worker.config import WEIGHT_FORMATS
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams
 from gpu_worker.model.kv_cache import KVCache
@@ -95,7 +95,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=model_store.DEFAULT_MODEL)
-    parser.add_argument("--formats", default=",".join(QUANTIZATIONS), help="none is the fp32 reference")
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="none is the fp32 reference")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     tok = load_tokenizer(model_store.resolve(args.model))

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from llmserve.settings import CommonSettings, require, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int4")  # CPU weight formats: gpu_worker/ops/quantized_linear.py
+WEIGHT_FORMATS = ("none", "int8", "int4")  # CPU weight formats: gpu_worker/ops/quantized_linear.py
+QUANTIZATIONS = ("auto", *WEIGHT_FORMATS)  # --quantization
 
 
 @dataclass
@@ -17,12 +18,13 @@ class WorkerSettings(CommonSettings):
     model: str = setting("smollm2-135m", "model alias, GGUF file or Hugging Face directory")
     device: str = setting("auto", "auto, cpu or cuda (auto: cuda when a GPU and CuPy are there)")
     dtype: str = setting("auto", "compute dtype: auto, float32, bfloat16 or float16")
-    # fp32 by default: on a 2-core AVX2 CPU int4 runs 1.5-2.1x faster at 1 sequence and 1.3-1.5x at 4,
-    # but torch's int4/int8 kernels are compute-bound from ~16 rows on (0.7-0.8x at 16-32 sequences,
-    # prefill 0.5x); a batching server is there for the loaded case (bench/engine.py, README)
-    quantization: str = setting("none", "weight format of the GEMMs: none (the model dtype), int8 (per-channel; "
-                                        "CPU and CUDA) or int4 (groups of 32, the GGUF Q4_1 layout; CPU); "
-                                        "weight-only")
+    # auto = int4 on CPU where the block kernel builds: Q4_1 blocks with 16-bit activation codes keep
+    # fp32's greedy tokens (bench/quality.py) and run 2.4x fp32 at 1-4 sequences, 1.0-1.2x at 16-32
+    # (bench/engine.py, README); fp32 elsewhere and on CUDA
+    quantization: str = setting("auto", "weight format of the GEMMs: auto (int4 on CPU where the model's widths "
+                                        "and the C kernel allow, else none), none (the model dtype), int8 "
+                                        "(per-channel; CPU and CUDA) or int4 (groups of 32, the GGUF Q4_1 "
+                                        "layout; CPU); weight-only")
     worker_id: str = setting("", "id in the workers hash and inbox stream name (default host-pid)")
     block_size: int = setting(16, "tokens per KV-cache block")
     kv_cache_mb: int = setting(512, "KV-cache memory budget in MiB (sets the number of blocks)")

@@ -11,6 +11,7 @@ import torch
 from gpu_worker.model import gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
+from gpu_worker.ops import quantized_linear
 from llmserve import model_store
 
 logger = structlog.get_logger(__name__)
@@ -56,7 +57,7 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
 
     prepack: on CPU, put GEMM weights in oneDNN's blocked layout (LlamaModel.prepack_for_cpu).
     quantization: weight format of the layers' GEMMs, "none" or a key of ops/quantized_linear.FORMATS
-    (on CPU, with prepack) or of CUDA_FORMATS (on CUDA).
+    (on CPU, with prepack) or of CUDA_FORMATS (on CUDA); "auto" picks one (quantized_linear.default_format).
     """
     start = time.monotonic()
     path = model_store.resolve(str(spec))
@@ -65,6 +66,9 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     model = LlamaModel(config, device=device, dtype=dtype)
     model.load_weights(weights)
     model.eval()
+    if quantization == "auto":
+        c = config
+        quantization = quantized_linear.default_format(model.device, [c.hidden_size, c.q_size, c.intermediate_size])
     prepacked = prepack and model.prepack_for_cpu(quantization)
     quantized = prepacked and quantization != "none"
     if model.device.type == "cuda" and quantization != "none":

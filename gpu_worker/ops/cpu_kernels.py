@@ -1,9 +1,12 @@
-"""Small C kernels for the CPU path, compiled on first use and called through ctypes.
+"""Small C kernels for the CPU path, compiled once and called through ctypes.
 
-Each kernel is one C file beside this module, compiled once with the system C compiler (`cc`,
-OpenMP, `-march=native`) into `<cache_dir>/cpu_kernels/`, keyed by a hash of its source and
-flags; no torch headers, so a build takes about a second. Where there is no compiler, or a file
-does not build for this CPU, `load` returns None and the caller runs its torch fallback.
+Each kernel is one C file beside this module (`cpu_*.c`), compiled with the system C compiler
+(`cc`, OpenMP) into `<cache_dir>/cpu_kernels/`, keyed by a hash of its source and flags; no torch
+headers, so a build takes about a second. On x86-64 the target is x86-64-v3 (AVX2, FMA, F16C),
+not the build machine's own CPU, so a file built once (`python -m gpu_worker.ops.cpu_kernels`,
+as the container image does at build time) runs on any AVX2 machine; a CPU without AVX2 gets
+none of them. Where there is no compiler and no prebuilt file, or a file does not build for this
+CPU, `load` returns None and the caller runs its torch fallback.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import structlog
@@ -24,7 +29,10 @@ from llmserve import model_store
 
 logger = structlog.get_logger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-fPIC", "-shared",
+          "-fno-math-errno"]
+KERNELS = sorted(p.stem for p in Path(__file__).parent.glob("cpu_*.c"))
 
 
 def _build(source: Path, target: Path) -> None:
@@ -36,12 +44,19 @@ def _build(source: Path, target: Path) -> None:
     tmp.replace(target)
 
 
+def _target(name: str) -> Path:
+    source = Path(__file__).with_name(f"{name}.c")
+    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return model_store.cache_dir() / "cpu_kernels" / f"{name}-{digest}.so"
+
+
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled `<name>.c` of this package, built on first use; None where it cannot be built or loaded."""
-    source = Path(__file__).with_name(f"{name}.c")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = model_store.cache_dir() / "cpu_kernels" / f"{name}-{digest}.so"
+    if _X86 and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        logger.warning("cpu kernels need AVX2; using the torch fallback", kernel=name)
+        return None
+    source, target = Path(__file__).with_name(f"{name}.c"), _target(name)
     try:
         if not target.exists():
             if shutil.which(os.environ.get("CC") or "cc") is None:
@@ -61,3 +76,15 @@ def traced(name: str) -> contextlib.AbstractContextManager:
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
+
+
+def main() -> int:
+    """Build every kernel into the cache dir (a container image runs this at build time)."""
+    failed = [name for name in KERNELS if load(name) is None]
+    for name in KERNELS:
+        print(f"{name}: {'FAILED' if name in failed else _target(name)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -185,6 +185,16 @@ FORMATS: dict[str, type[QuantizedWeight]] = {"int8": Int8Weight, "int4": Int4Wei
 CUDA_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": CudaInt8Weight}
 
 
+def default_format(device: torch.device, in_features: list[int]) -> str:
+    """What --quantization auto means for a model whose GEMMs take `in_features`: int4 on the CPU where
+    the block kernel builds and every width is a multiple of 32 (its greedy tokens match fp32's and it
+    is the fastest CPU format, README), else none."""
+    if device.type == "cpu" and cpu_block_linear.library() is not None and all(
+            k % cpu_block_linear.BLOCK == 0 for k in in_features):
+        return "int4"
+    return "none"
+
+
 def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     """A float CPU weight [N, K] -> the same linear in format `fmt` (a key of FORMATS); int4 runs as
     Q4_1 blocks on the C kernel where it builds, else on torch's int4 kernel."""

@@ -22,6 +22,7 @@ from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.loader import load_model
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import inv_freq
+from gpu_worker.ops import cpu_block_linear, quantized_linear
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -397,3 +398,17 @@ def test_gpus_without_native_bf16_default_to_fp16(monkeypatch):
                             lambda including_emulation=True, n=has_native_bf16: n or including_emulation)
         assert default_dtype("cuda") == (torch.bfloat16 if has_native_bf16 else torch.float16), arch
     assert default_dtype("cpu") == torch.float32
+
+
+def test_auto_quantization_is_int4_on_the_cpu_where_every_gemm_width_allows(tmp_path):
+    cfg = TINY | {"model_type": "llama"}  # hidden 32, heads 4 x 8, intermediate 64: all multiples of 32
+    model = load_model(write_hf_dir(tmp_path / "m", cfg, make_weights(cfg, tied=False, bias=False)), "cpu",
+                       torch.float32, quantization="auto")
+    if cpu_block_linear.library() is None:
+        assert model.layers[0].qkv_weight.is_mkldnn  # no block kernel here: auto means fp32
+    else:
+        assert isinstance(model.layers[0].qkv_weight, quantized_linear.Q4_1Weight)
+    odd = TINY | {"model_type": "llama", "intermediate_size": 48}  # the down projection's width is not
+    model = load_model(write_hf_dir(tmp_path / "odd", odd, make_weights(odd, tied=False, bias=False)), "cpu",
+                       torch.float32, quantization="auto")
+    assert model.layers[0].down_weight.is_mkldnn

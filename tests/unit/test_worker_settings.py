@@ -17,8 +17,8 @@ def test_cuda_graph_batch_sizes():
         WorkerSettings.load(["--cuda-graph-batch-sizes", "1,x"], env={})
 
 
-def test_quantization_defaults_to_fp32_and_takes_the_known_formats():
-    assert WorkerSettings.load([], env={}).quantization == "none"
+def test_quantization_defaults_to_auto_and_takes_the_known_formats():
+    assert WorkerSettings.load([], env={}).quantization == "auto"
     assert WorkerSettings.load(["--quantization", "int4"], env={}).quantization == "int4"
     assert WorkerSettings.load([], env={"LLMSERVE_QUANTIZATION": "int8"}).quantization == "int8"
     with pytest.raises(SettingsError, match="quantization"):

@@ -1,0 +1,44 @@
+"""Building and loading the CPU C kernels (gpu_worker/ops/cpu_kernels.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from gpu_worker.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """An empty cache dir and a cleared load cache (restored afterwards for the other tests)."""
+    monkeypatch.setenv("LLMSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_kernels.load.cache_clear()
+    yield tmp_path / "cache" / "cpu_kernels"
+    cpu_kernels.load.cache_clear()
+
+
+def test_prebuilt_kernels_load_without_a_compiler(fresh, monkeypatch, capsys):
+    assert cpu_kernels.main() == 0  # what the container image runs at build time
+    built = sorted(p.name for p in fresh.iterdir())
+    assert [name.split("-")[0] for name in built] == cpu_kernels.KERNELS
+    assert all(str(fresh) in line for line in capsys.readouterr().out.splitlines())
+    cpu_kernels.load.cache_clear()
+    monkeypatch.setenv("CC", "/nonexistent/cc")  # the runtime image has no compiler
+    assert all(cpu_kernels.load(name) is not None for name in cpu_kernels.KERNELS)
+
+
+def test_without_a_compiler_or_a_prebuilt_file_the_caller_falls_back(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert cpu_kernels.load("cpu_layer_ops") is None
+    assert not fresh.exists() or not any(fresh.iterdir())
+
+
+def test_a_kernel_that_does_not_compile_falls_back_and_leaves_no_file(fresh, monkeypatch, tmp_path):
+    broken = tmp_path / "cpu_broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernels, "__file__", str(broken))  # kernels are found beside the module
+    assert cpu_kernels.load("cpu_broken") is None
+    assert not fresh.exists() or not any(fresh.iterdir())
