@@ -14,7 +14,7 @@
  * instead; at 16 bits the greedy tokens of a Q4_1 file match fp32's (bench/quality.py, README).
  *
  * out[r, n] is computed by one thread with the same sequence of operations whatever M, the row
- * tile it falls in, or the thread count: a row's codes depend only on that row, two 8-lane fp32
+ * tile it falls in, the thread count or which thread takes it: a row's codes depend only on that row, two 8-lane fp32
  * accumulators take the blocks in order, then fixed horizontal sums. A row's output is therefore
  * the same bits alone, in a decode batch or in a prefill chunk.
  *
@@ -175,7 +175,8 @@ static inline QuantRows rows_from(QuantRows q, long row, int K) {
         quantize_rows(x, M, K, q);                                                                         \
         for (int r0 = 0; r0 < M; r0 += ROW_CHUNK) {                                                        \
             const int chunk = M - r0 < ROW_CHUNK ? M - r0 : ROW_CHUNK;                                     \
-            _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                          \
+            /* dynamic: a thread the OS preempts (other services share the cores) leaves its outputs */ \
+            _Pragma("omp parallel for schedule(dynamic, 32) num_threads(num_threads)")                     \
             for (int n = 0; n < N; n++) {                                                                  \
                 const uint8_t *wrow = w + n * row_bytes;                                                   \
                 const float *m = offsets ? offsets + n * blocks : NULL;                                    \

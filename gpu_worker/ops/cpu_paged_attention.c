@@ -91,7 +91,7 @@ int paged_decode_attention_f32(const float *__restrict__ q,            /* [B, Hq
     {
         float *scores = malloc(sizeof(float) * (size_t)num_heads * (max_len > 0 ? max_len : 1));
         /* every thread reaches the worksharing loop, even one whose scratch failed */
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1) /* a preempted thread's sequences go to the other threads */
         for (int b = 0; b < num_seqs; b++) {
             if (!scores) {
                 failed = 1;
