@@ -3,8 +3,9 @@
 One forward runs every sequence of a step at once (prefill chunks then decodes,
 see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
 matmuls (cuBLAS on GPU; on CPU after `prepack_for_cpu`, oneDNN with prepacked fp32 weights,
-torch's weight-only int8 kernel, or int4 as GGUF Q4_1 blocks on a C kernel). Q/K/V and gate/up projections are fused into one
-GEMM each. On CPU the small ops and decode attention are C kernels (ops/cpu.py).
+torch's weight-only int8 kernel, or int4 as GGUF Q4_1 blocks on a C kernel). Q/K/V and gate/up
+projections are fused into one GEMM each. On CPU the small ops and decode attention are C
+kernels (ops/cpu.py).
 
 Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
 """

@@ -67,8 +67,8 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     model.load_weights(weights)
     model.eval()
     if quantization == "auto":
-        c = config
-        quantization = quantized_linear.default_format(model.device, [c.hidden_size, c.q_size, c.intermediate_size])
+        widths = [config.hidden_size, config.q_size, config.intermediate_size]  # the GEMMs' in_features
+        quantization = quantized_linear.default_format(model.device, widths)
     prepacked = prepack and model.prepack_for_cpu(quantization)
     quantized = prepacked and quantization != "none"
     if model.device.type == "cuda" and quantization != "none":

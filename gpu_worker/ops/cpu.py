@@ -1,7 +1,7 @@
 """The CPU ops backend: the torch reference, with small C kernels for the ops a step runs per layer.
 
 A decode step of one sequence spends more time dispatching small torch ops than computing them
-(~25 dispatches per layer for two norms, the rotary embedding and the cache write). Here each is
+(about 40 dispatches per layer for two norms, the rotary embedding and the cache write). Here each is
 one ctypes call into cpu_layer_ops.c, and decode attention reads the paged cache in place
 (cpu_attention.py). Same contract as `reference` (see gpu_worker/ops/__init__.py); where a C
 kernel cannot be built, or a tensor is not fp32 with contiguous heads, the reference op runs.
@@ -23,21 +23,16 @@ __all__ = ["fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attent
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "rms_norm_f32": [_P, _L, _P, _L, _P, _P, _P, _I, _I, _F],
-    "rotary_f32": [_P, _L, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I],
-    "write_kv_f32": [_P, _L, _P, _L, _P, _P, _P, _I, _I],
+    "rms_norm_f32": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _F], None),
+    "rotary_f32": ([_P, _L, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I], None),
+    "write_kv_f32": ([_P, _L, _P, _L, _P, _P, _P, _I, _I], None),
 }
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (ops/cpu_kernels.py), built on first use; None where they cannot be built."""
-    lib = cpu_kernels.load("cpu_layer_ops")
-    if lib is not None:
-        for name, args in _SIGNATURES.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
-    return lib
+    return cpu_kernels.bind("cpu_layer_ops", _SIGNATURES)
 
 
 def _rows(*tensors: torch.Tensor) -> bool:
@@ -100,4 +95,3 @@ def write_kv_cache(
     slots = slot_mapping.contiguous()
     library().write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
                            k_cache.data_ptr(), v_cache.data_ptr(), k.shape[0], k.shape[1] * k.shape[2])
-    return None

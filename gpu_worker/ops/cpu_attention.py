@@ -24,11 +24,7 @@ _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_i
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
-    lib = cpu_kernels.load("cpu_paged_attention")
-    if lib is not None:
-        lib.paged_decode_attention_f32.argtypes = _ARGS
-        lib.paged_decode_attention_f32.restype = ctypes.c_int
-    return lib
+    return cpu_kernels.bind("cpu_paged_attention", {"paged_decode_attention_f32": (_ARGS, ctypes.c_int)})
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -23,13 +23,7 @@ _ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be built (no compiler, no AVX2/FMA/F16C)."""
-    lib = cpu_kernels.load("cpu_block_linear")
-    if lib is not None:
-        for kind in KINDS:
-            fn = getattr(lib, f"{kind}_linear_f32")
-            fn.argtypes = _ARGS
-            fn.restype = ctypes.c_int
-    return lib
+    return cpu_kernels.bind("cpu_block_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
 
 
 def linear(kind: str, x: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor | None,

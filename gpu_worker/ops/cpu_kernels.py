@@ -70,6 +70,16 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
+def bind(name: str, signatures: dict[str, tuple[list, type | None]]) -> ctypes.CDLL | None:
+    """`load(name)` with each named function's (argtypes, restype) set; None where it cannot be built."""
+    lib = load(name)
+    if lib is not None:
+        for function, (argtypes, restype) in signatures.items():
+            getattr(lib, function).argtypes = argtypes
+            getattr(lib, function).restype = restype
+    return lib
+
+
 def traced(name: str) -> contextlib.AbstractContextManager:
     """A torch profiler range named `name` around a ctypes call, which the profiler does not see
     otherwise; a no-op when no profiler runs (a range costs ~10 us, 150 of them per decode step)."""
@@ -80,9 +90,10 @@ def traced(name: str) -> contextlib.AbstractContextManager:
 
 def main() -> int:
     """Build every kernel into the cache dir (a container image runs this at build time)."""
-    failed = [name for name in KERNELS if load(name) is None]
+    failed = [name for name in KERNELS if load(name) is None]  # load logs why
     for name in KERNELS:
-        print(f"{name}: {'FAILED' if name in failed else _target(name)}")
+        if name not in failed:
+            logger.info("cpu kernel built", kernel=name, path=str(_target(name)))
     return 1 if failed else 0
 
 

@@ -1,21 +1,20 @@
 """Weight-only quantized linears: the weights stay int8 / int4 in memory and in the GEMM.
 
 A decode step of a small model reads every weight once, so its time is mostly memory traffic:
-SmolLM2-135M's 30 layers are 424 MB in fp32, 106 MB in int8 and 60 MB in int4 (scales included).
-Both formats run on kernels torch ships for the CPU, which dequantize inside the GEMM:
+SmolLM2-135M's 30 layers are 424 MB in fp32, 106 MB in int8 and 73 MB in int4 (scales included).
 
     format  weight                                    kernel
-    int8    q [N, K] int8, scale [N] (per row)        aten._weight_int8pack_mm
-    int4    q 4-bit in groups of 32 along K,          aten._weight_int4pack_mm_for_cpu
-            scale, zero [K/32, N] (GGUF Q4_1 blocks)
+    int8    q [N, K] int8, scale [N] (per row)        aten._weight_int8pack_mm (bf16 activations)
+    int4    GGUF Q4_1 blocks: 4-bit codes in groups   the C kernel of ops/cpu_block_linear.py
+            of 32 along K, fp16 scale, fp32 offset    (16-bit activation codes, fp32 out), else
+                                                      aten._weight_int4pack_mm_for_cpu (bf16)
+    (head)  GGUF Q8_0 blocks beside int4              the same C kernel
 
-The activations enter those kernels in bf16: it is the dtype they vectorise on an AVX2 CPU
-(fp32 activations fall to a scalar loop 3-10x slower; measured on SmolLM2's shapes). Everything
+Requantizing a Q4_1-dequantized weight with min/max per group of 32 gets back its 4-bit codes,
+and a Q8_0-dequantized one with max |w| per group its int8 codes: a GGUF file's weights come
+back exactly. torch's kernels take bf16 activations (what they vectorise on an AVX2 CPU); the C
+kernel keeps ~5 digits of them, so its greedy tokens match fp32's (bench/quality.py). Everything
 around the GEMMs (residual stream, norms, attention, KV cache) stays fp32.
-
-int4 uses the GGUF's own block layout (32 weights, one scale and one offset): requantizing a
-Q4_1-dequantized weight with min/max per group of 32 gets back its 4-bit codes, so only the
-scale and offset round (to bf16, the dtype the kernel takes them in).
 
 Every row of the output depends only on its own input row, computed the same bits for any
 number of rows (tests/unit/test_quantized_linear.py), so a sequence's logits do not depend
@@ -26,7 +25,7 @@ in the activations' dtype: decode-sized calls on a CuPy kernel that reads the in
 widens them in registers (gpu_worker/kernels/int8_gemv.cu), prefill-sized ones dequantize
 and use cuBLAS (gpu_worker.ops.cuda.int8_linear). A decode batch's rows are the same bits for
 any batch of up to INT8_GEMV_MAX_TOKENS sequences; a larger decode batch takes the cuBLAS path,
-so batch invariance on CUDA int8 holds up to that size (quantization is off by default).
+so batch invariance on CUDA int8 holds up to that size (`--quantization auto` leaves CUDA weights as they are).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from torch import nn
 from gpu_worker.ops import cpu_block_linear
 
 ACT_DTYPE = torch.bfloat16
-INT4_GROUP = 32
+GROUP = cpu_block_linear.BLOCK  # weights per quantization group along K (a GGUF block)
 _INT4_INNER_K_TILES = 2  # the packed layout's K tiling; K must be a multiple of 16 * this
 
 
@@ -83,13 +82,18 @@ class Int8Weight(QuantizedWeight):
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 
+def _groups(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """weight [N, K] -> fp32 [N, K/32, 32]; K must be a multiple of GROUP."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"{fmt} needs in_features to be a multiple of {GROUP}, not {k}")
+    return weight.detach().float().view(n, k // GROUP, GROUP)
+
+
 def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit in groups of 32 along K (GGUF Q4_1): weight [N, K] ~ codes * scale + low per group;
     returns (codes [N, K/32, 32] int32 in 0..15, scale [N, K/32], low [N, K/32])."""
-    n, k = weight.shape
-    if k % INT4_GROUP:
-        raise ValueError(f"int4 needs in_features to be a multiple of {INT4_GROUP}, not {k}")
-    groups = weight.detach().float().view(n, k // INT4_GROUP, INT4_GROUP)  # [N, K/32, 32]
+    groups = _groups(weight, "int4")  # [N, K/32, 32]
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/32]
     scale = ((high - low) / 15).clamp(min=1e-12)
     codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
@@ -114,7 +118,7 @@ class Int4Weight(QuantizedWeight):
         self.register_buffer("scale_zero", pairs.contiguous().to(ACT_DTYPE))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zero)
 
 
 class BlockWeight(QuantizedWeight):
@@ -154,13 +158,10 @@ class Q8_0Weight(BlockWeight):
 
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [N, K] float, K a multiple of 32."""
-        n, k = weight.shape
-        if k % cpu_block_linear.BLOCK:
-            raise ValueError(f"q8_0 needs in_features to be a multiple of {cpu_block_linear.BLOCK}, not {k}")
-        groups = weight.detach().float().view(n, k // cpu_block_linear.BLOCK, cpu_block_linear.BLOCK)
+        groups = _groups(weight, "q8_0")  # [N, K/32, 32]
         d = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)  # [N, K/32]
         codes = torch.round(groups / d[..., None]).clamp(-127, 127)
-        super().__init__(cpu_block_linear.pack_q8_0(codes, d), None, n, k)
+        super().__init__(cpu_block_linear.pack_q8_0(codes, d), None, *weight.shape)
 
 
 class CudaInt8Weight(QuantizedWeight):
@@ -190,7 +191,7 @@ def default_format(device: torch.device, in_features: list[int]) -> str:
     the block kernel builds and every width is a multiple of 32 (its greedy tokens match fp32's and it
     is the fastest CPU format, README), else none."""
     if device.type == "cpu" and cpu_block_linear.library() is not None and all(
-            k % cpu_block_linear.BLOCK == 0 for k in in_features):
+            k % GROUP == 0 for k in in_features):
         return "int4"
     return "none"
 
@@ -206,6 +207,6 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
 def quantize_head(weight: torch.Tensor, fmt: str) -> QuantizedWeight | None:
     """The vocab head for layers in format `fmt`: Q8_0 blocks beside int4 on the C kernel (a GGUF's
     own head format, fp32 logits), else None (the head stays fp32)."""
-    if fmt == "int4" and cpu_block_linear.library() is not None and weight.shape[1] % cpu_block_linear.BLOCK == 0:
+    if fmt == "int4" and cpu_block_linear.library() is not None and weight.shape[1] % GROUP == 0:
         return Q8_0Weight(weight)
     return None
