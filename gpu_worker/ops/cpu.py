@@ -1,8 +1,8 @@
 """The CPU ops backend: the torch reference, with small C kernels for the ops a step runs per layer.
 
 A decode step of one sequence spends more time dispatching small torch ops than computing them
-(about 40 dispatches per layer for two norms, the rotary embedding and the cache write). Here each is
-one ctypes call into cpu_layer_ops.c, and decode attention reads the paged cache in place
+(about 40 dispatches per layer for two norms, the rotary embedding and the cache write). Here each,
+and silu_and_mul, is one ctypes call into cpu_layer_ops.c, and decode attention reads the paged cache in place
 (cpu_attention.py). Same contract as `reference` (see gpu_worker/ops/__init__.py); where a C
 kernel cannot be built, or a tensor is not fp32 with contiguous heads, the reference op runs.
 """
@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.ops import cpu_kernels, reference
 from gpu_worker.ops.cpu_attention import paged_decode_attention
-from gpu_worker.ops.reference import paged_prefill_attention, silu_and_mul
+from gpu_worker.ops.reference import paged_prefill_attention
 
 __all__ = ["fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "rotary_embedding", "silu_and_mul", "write_kv_cache"]
@@ -26,6 +26,7 @@ _SIGNATURES = {
     "rms_norm_f32": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _F], None),
     "rotary_f32": ([_P, _L, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I], None),
     "write_kv_f32": ([_P, _L, _P, _L, _P, _P, _P, _I, _I], None),
+    "silu_and_mul_f32": ([_P, _I, _I, _P, _I], None),
 }
 
 
@@ -81,6 +82,16 @@ def rotary_embedding(
                          cos_sin.contiguous().data_ptr(), q_out.data_ptr(), k_out.data_ptr(), num_tokens, num_heads,
                          k.shape[1], head_dim, int(interleaved))
     return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2*I] -> silu(x[:, :I]) * x[:, I:]  [T, I]."""
+    if x.shape[0] == 0 or not x.is_contiguous() or not _rows(x):
+        return reference.silu_and_mul(x)
+    inter = x.shape[1] // 2
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype)
+    library().silu_and_mul_f32(x.data_ptr(), x.shape[0], inter, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def write_kv_cache(

@@ -1,12 +1,13 @@
 """Small C kernels for the CPU path, compiled once and called through ctypes.
 
-Each kernel is one C file beside this module (`cpu_*.c`), compiled with the system C compiler
-(`cc`, OpenMP) into `<cache_dir>/cpu_kernels/`, keyed by a hash of its source and flags; no torch
-headers, so a build takes about a second. On x86-64 the target is x86-64-v3 (AVX2, FMA, F16C),
-not the build machine's own CPU, so a file built once (`python -m gpu_worker.ops.cpu_kernels`,
-as the container image does at build time) runs on any AVX2 machine; a CPU without AVX2 gets
-none of them. Where there is no compiler and no prebuilt file, or a file does not build for this
-CPU, `load` returns None and the caller runs its torch fallback.
+Each kernel is one C file beside this module (`cpu_*.c`; one may #include another), compiled with
+the system C compiler (`cc`, OpenMP) into `<cache_dir>/cpu_kernels/`, keyed by a hash of all the
+sources and the flags; no torch headers, so a build takes about a second. On x86-64 the target
+is x86-64-v3 (AVX2, FMA, F16C), not the build machine's own CPU, so a file built once
+(`python -m gpu_worker.ops.cpu_kernels`, as the container image does at build time) runs on any
+AVX2 machine; a CPU without AVX2 gets none of them. Where there is no compiler and no prebuilt
+file, or a file does not build for this CPU, `load` returns None and the caller runs its torch
+fallback.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def _build(source: Path, target: Path) -> None:
 
 
 def _target(name: str) -> Path:
-    source = Path(__file__).with_name(f"{name}.c")
-    digest = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    """The built file, keyed by every kernel source (a kernel may #include another) and the flags."""
+    sources = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("cpu_*.c")))
+    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return model_store.cache_dir() / "cpu_kernels" / f"{name}-{digest}.so"
 
 

@@ -3,7 +3,7 @@
  * dispatches, more time than their arithmetic (see gpu_worker/ops/cpu.py).
  *
  * Built by gpu_worker/ops/cpu_kernels.py with the system C compiler, called through ctypes.
- * Single-threaded: a step's tensors here are at most a few MB. Every row is computed by the
+ * Single-threaded but for silu_and_mul: a step's tensors here are at most a few MB. Every row is computed by the
  * same loop whatever T is, so a token's result does not depend on what it is batched with.
  */
 #include <math.h>
@@ -68,5 +68,17 @@ void write_kv_f32(const float *__restrict__ k, long k_stride, const float *__res
         if (slots[t] < 0) continue;
         memcpy(k_cache + slots[t] * row, k + t * k_stride, sizeof(float) * row);
         memcpy(v_cache + slots[t] * row, v + t * v_stride, sizeof(float) * row);
+    }
+}
+
+/* out[t, i] = silu(x[t, i]) * x[t, I + i] for x [T, 2I] (gate | up) -> out [T, I]; silu(g) = g / (1 + e^-g).
+ * The one threaded op here: a prefill chunk's MLP has T * I exponentials (a row per thread; the bits
+ * do not depend on which). */
+void silu_and_mul_f32(const float *__restrict__ x, int T, int I, float *__restrict__ out, int num_threads) {
+#pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) if (T > 1)
+    for (int t = 0; t < T; t++) {
+        const float *gate = x + (long)t * 2 * I, *up = gate + I;
+        float *o = out + (long)t * I;
+        for (int i = 0; i < I; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
     }
 }

@@ -1,0 +1,89 @@
+/* Every decoder layer of a decode-only step in one call, for Llama-family models whose four GEMM
+ * weights per layer are Q4_1 blocks (cpu_block_linear.c) and whose KV cache is fp32.
+ *
+ * Built by gpu_worker/ops/cpu_kernels.py, called through ctypes by cpu_decode_layers.py. At one
+ * sequence a layer's own arithmetic takes about 0.3 ms, and the Python around its ten kernel
+ * calls (views, allocations, argument checks, ctypes) took about 0.2 ms more; here that Python
+ * runs once a step instead of once a layer.
+ *
+ * Each stage calls the very kernel the Python path (gpu_worker/model/llama.py on ops/cpu.py)
+ * calls, with the same arguments, so a token's hidden states, KV and logits are the same bits
+ * either way: a sequence decoded here, recomputed after preemption or decoded beside a prefill
+ * (which takes the Python path) sees no difference.
+ *
+ * Per layer, T tokens (one per sequence), hidden H, Hq query and Hk KV heads of size D, MLP width I:
+ *   hn = rms_norm(h + residual)            residual = h + residual   (layer 0: residual = h)
+ *   qkv = hn @ Wqkv                        [T, (Hq + 2 Hk) D]
+ *   q, k = rotary(qkv's q, k); cache[slot] = k, v
+ *   a = paged decode attention(q)          [T, Hq D]
+ *   hn = rms_norm(a @ Wo + residual)       residual = a @ Wo + residual
+ *   h = silu_and_mul(hn @ Wgate_up) @ Wdown
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_block_linear.c"
+#include "cpu_layer_ops.c"
+#include "cpu_paged_attention.c"
+
+enum { QKV, O, GATE_UP, DOWN, WEIGHTS_PER_LAYER };
+enum { INPUT_NORM, POST_NORM, NORMS_PER_LAYER };
+
+/* Returns 0, or -1 without memory for scratch (then h_out and residual_out are undefined). */
+int decode_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, int I,
+                           const float *__restrict__ h_in,          /* [T, H] the embeddings */
+                           float *__restrict__ h_out,               /* [T, H] the last layer's output */
+                           float *__restrict__ residual_out,        /* [T, H] and its residual */
+                           const uint8_t *const *weights,           /* [L * 4] Q4_1 blocks: qkv, o, gate_up, down */
+                           const float *const *offsets,             /* [L * 4] their offsets m */
+                           const float *const *norms,               /* [L * 2] input, post-attention norm weights */
+                           float *const *k_caches, float *const *v_caches, /* [L] [num_blocks, bs, Hk, D] */
+                           const int64_t *__restrict__ positions,   /* [T] */
+                           const int64_t *__restrict__ slots,       /* [T] cache slot of each token, -1 = none */
+                           const float *__restrict__ cos_sin, int interleaved, /* [max_pos, D] */
+                           const int32_t *__restrict__ block_tables, int max_blocks, /* [T, max_blocks] */
+                           const int32_t *__restrict__ context_lens, int block_size, /* [T] */
+                           float scale, float eps, int num_threads) {
+    const int q_size = Hq * D, kv_size = Hk * D, qkv_size = q_size + 2 * kv_size;
+    const long th = (long)T * H;
+    float *scratch = malloc(sizeof(float) * (size_t)(4 * th + (long)T * (qkv_size + 2 * q_size + kv_size + 3 * I)));
+    if (!scratch) return -1;
+    float *hn = scratch, *h = hn + th, *res[2] = {h + th, h + 2 * th}, *qkv = res[1] + th;
+    float *q_rot = qkv + (long)T * qkv_size, *k_rot = q_rot + (long)T * q_size, *attn = k_rot + (long)T * kv_size;
+    float *gate_up = attn + (long)T * q_size, *act = gate_up + (long)T * 2 * I;
+    const float *residual = h_in, *x = h_in;
+    int failed = 0;
+    for (int l = 0; l < num_layers && !failed; l++) {
+        const uint8_t *const *w = weights + (long)l * WEIGHTS_PER_LAYER;
+        const float *const *m = offsets + (long)l * WEIGHTS_PER_LAYER;
+        const float *const *norm = norms + (long)l * NORMS_PER_LAYER;
+        if (l == 0) {
+            rms_norm_f32(x, H, NULL, 0, norm[INPUT_NORM], hn, NULL, T, H, eps);
+        } else {
+            float *next = residual == res[0] ? res[1] : res[0];
+            rms_norm_f32(x, H, residual, H, norm[INPUT_NORM], hn, next, T, H, eps);
+            residual = next;
+        }
+        failed |= q4_1_linear_f32(hn, w[QKV], m[QKV], qkv, T, qkv_size, H, num_threads);
+        rotary_f32(qkv, qkv_size, qkv + q_size, qkv_size, positions, cos_sin, q_rot, k_rot, T, Hq, Hk, D,
+                   interleaved);
+        write_kv_f32(k_rot, kv_size, qkv + q_size + kv_size, qkv_size, slots, k_caches[l], v_caches[l], T, kv_size);
+        failed |= paged_decode_attention_f32(q_rot, k_caches[l], v_caches[l], block_tables, context_lens, attn, T,
+                                             Hq, Hk, D, block_size, max_blocks, scale,
+                                             num_threads < T ? num_threads : T);
+        failed |= q4_1_linear_f32(attn, w[O], m[O], hn, T, H, q_size, num_threads); /* hn: free again */
+        float *next = residual == res[0] ? res[1] : res[0];
+        rms_norm_f32(hn, H, residual, H, norm[POST_NORM], h, next, T, H, eps);
+        residual = next;
+        failed |= q4_1_linear_f32(h, w[GATE_UP], m[GATE_UP], gate_up, T, 2 * I, H, num_threads);
+        silu_and_mul_f32(gate_up, T, I, act, num_threads);
+        failed |= q4_1_linear_f32(act, w[DOWN], m[DOWN], h, T, H, I, num_threads);
+        x = h;
+    }
+    if (!failed) {
+        memcpy(h_out, x, sizeof(float) * th);
+        memcpy(residual_out, residual, sizeof(float) * th);
+    }
+    free(scratch);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,90 @@
+"""ctypes binding of cpu_decode_layers.c: every decoder layer of a decode-only CPU step in one call.
+
+`DecodeLayers.build(model)` is what LlamaModel.prepack_for_cpu keeps where this applies: an fp32
+model whose layers' four GEMM weights are all Q4_1 blocks (int4 on the block kernel, the CPU
+default), without a QKV bias. `takes(...)` says whether a step can run here: decodes only, an fp32
+KV cache. The C file calls the same kernels the Python path (llama.py over ops/cpu.py) calls, so
+both give the same bits for a token; the Python path still runs every step with a prefill in it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from gpu_worker.model.kv_cache import KVCache
+from gpu_worker.model.metadata import AttentionMetadata
+from gpu_worker.ops import cpu_kernels
+from gpu_worker.ops.quantized_linear import Q4_1Weight
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_ARGS = [_I] * 7 + [_P] * 11 + [_I, _P, _I, _P, _I, _F, _F, _I]
+GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # the C file's order
+NORMS = ("input_norm", "post_norm")
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
+    return cpu_kernels.bind("cpu_decode_layers", {"decode_layers_q4_1_f32": (_ARGS, ctypes.c_int)})
+
+
+def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+
+
+class DecodeLayers:
+    """The layers of one prepacked model as the C file takes them: pointers to its weights, which
+    stay where they are from now on (a prepacked model is inference-only; `_tensors` keeps them alive)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.config = model.config
+        self.num_layers = len(model.layers)
+        weights = [getattr(layer, name) for layer in model.layers for name in GEMMS]
+        norms = [getattr(layer, name) for layer in model.layers for name in NORMS]
+        self._cos_sin = model.cos_sin.contiguous()
+        self._tensors = [self._cos_sin, *norms, *(w.blocks for w in weights), *(w.offsets for w in weights)]
+        self._weights = _pointers([w.blocks for w in weights])
+        self._offsets = _pointers([w.offsets for w in weights])
+        self._norms = _pointers(norms)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> DecodeLayers | None:
+        """The model's layers for the C file, or None where it does not apply to this model."""
+        layers = model.layers
+        applies = (
+            model.dtype == torch.float32 and library() is not None
+            and all(layer.qkv_bias is None for layer in layers)
+            and all(isinstance(getattr(layer, name), Q4_1Weight) for layer in layers for name in GEMMS)
+        )
+        return cls(model) if applies else None
+
+    def takes(self, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
+        """Whether this step can run here: decodes only, int64 positions and slots, an fp32 cache."""
+        return (meta.num_prefills == 0 and meta.num_decodes > 0 and positions.dtype == torch.int64
+                and meta.slot_mapping.dtype == torch.int64 and kv_cache.dtype == torch.float32)
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, H] embeddings of the step's tokens -> (last layer's output [T, H], its residual [T, H])."""
+        c = self.config
+        h = h.contiguous()
+        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        tables = meta.decode_block_tables.to(torch.int32).contiguous()
+        lens = meta.decode_context_lens.to(torch.int32).contiguous()
+        out, residual = torch.empty_like(h), torch.empty_like(h)
+        with cpu_kernels.traced("cpu_decode_layers"):
+            rc = library().decode_layers_q4_1_f32(
+                self.num_layers, h.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                c.intermediate_size, h.data_ptr(), out.data_ptr(), residual.data_ptr(),
+                self._weights, self._offsets, self._norms,
+                _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
+                positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
+                tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],
+                c.head_dim**-0.5, c.rms_norm_eps, torch.get_num_threads(),
+            )
+        if rc != 0:
+            raise MemoryError("cpu decode layers: no memory for the step's scratch")
+        return out, residual
