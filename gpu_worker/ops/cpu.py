@@ -2,8 +2,8 @@
 
 A decode step of one sequence spends more time dispatching small torch ops than computing them
 (about 40 dispatches per layer for two norms, the rotary embedding and the cache write). Here each,
-and silu_and_mul, is one ctypes call into cpu_layer_ops.c, and decode attention reads the paged cache in place
-(cpu_attention.py). Same contract as `reference` (see gpu_worker/ops/__init__.py); where a C
+and silu_and_mul, is one ctypes call into cpu_layer_ops.c, and decode attention reads the paged
+cache in place (cpu_attention.py). Same contract as `reference` (see gpu_worker/ops/__init__.py); where a C
 kernel cannot be built, or a tensor is not fp32 with contiguous heads, the reference op runs.
 """
 

@@ -33,7 +33,14 @@ logger = structlog.get_logger(__name__)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno"]
-KERNELS = sorted(p.stem for p in Path(__file__).parent.glob("cpu_*.c"))
+
+
+def _sources() -> list[Path]:
+    """Every kernel source beside this module."""
+    return sorted(Path(__file__).parent.glob("cpu_*.c"))
+
+
+KERNELS = [path.stem for path in _sources()]
 
 
 def _build(source: Path, target: Path) -> None:
@@ -47,7 +54,7 @@ def _build(source: Path, target: Path) -> None:
 
 def _target(name: str) -> Path:
     """The built file, keyed by every kernel source (a kernel may #include another) and the flags."""
-    sources = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("cpu_*.c")))
+    sources = b"".join(path.read_bytes() for path in _sources())
     digest = hashlib.sha256(sources + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return model_store.cache_dir() / "cpu_kernels" / f"{name}-{digest}.so"
 

@@ -3,8 +3,9 @@
  * dispatches, more time than their arithmetic (see gpu_worker/ops/cpu.py).
  *
  * Built by gpu_worker/ops/cpu_kernels.py with the system C compiler, called through ctypes.
- * Single-threaded but for silu_and_mul: a step's tensors here are at most a few MB. Every row is computed by the
- * same loop whatever T is, so a token's result does not depend on what it is batched with.
+ * Single-threaded but for silu_and_mul: a step's tensors here are at most a few MB. Every row is
+ * computed by the same loop whatever T is, so a token's result does not depend on what it is
+ * batched with.
  */
 #include <math.h>
 #include <stdint.h>
