@@ -13,7 +13,7 @@ Exit paths (every one gives the lease back):
 
     final event / stop string    release + refund unused tokens (stop: set cancel key)
     deadline / max queue wait    set cancel key at once, release
-    client gone                  after detach_grace_s with no resumed viewer: cancel, release
+    client gone, or Redis lost   after detach_grace_s with no resumed viewer: cancel, release
     gateway killed               nothing runs; the lease expires (TTL), the worker finishes
 """
 
@@ -38,7 +38,7 @@ from gateway.streams import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
 from gateway.watch import QueueWaitExceeded, Watch
-from llmserve import keys, queue
+from llmserve import keys, queue, redis_client
 from llmserve.clock import now_ms
 from llmserve.errors import (
     DeadlineExceeded,
@@ -236,6 +236,8 @@ class Flow:
         except (DeadlineExceeded, Unavailable):
             outcome = StreamOutcome.ABANDONED
             raise
+        except redis_client.UNAVAILABLE_ERRORS:
+            raise   # the caller gets UNAVAILABLE and may resume: DETACHED, like a client gone
         except Exception:
             outcome = StreamOutcome.FINISHED if builder.done else StreamOutcome.ABANDONED
             raise

@@ -17,7 +17,7 @@ class StreamOutcome(Enum):
     STOPPED = "stopped"        # a stop string matched before the worker ended: stop the worker
     CANCELLED = "cancelled"    # cancelled, and the cancel grace ran out without a final event
     ABANDONED = "abandoned"    # deadline, max queue wait, or an error: stop the worker
-    DETACHED = "detached"      # the client went away: cancel unless a resumed viewer carries on
+    DETACHED = "detached"      # the client went away, or Redis did: cancel unless a resumed viewer carries on
 
     @property
     def cancels_the_request(self) -> bool:

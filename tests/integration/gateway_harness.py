@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 import grpc
+import redis
 
 from llmserve import keys, queue
 from llmserve.v1 import inference_pb2 as pb
@@ -64,7 +65,10 @@ class ScriptedWorker:
     async def run(self) -> None:
         streams = {keys.work_stream(MODEL, p): "$" for p in keys.PRIORITY_ORDER}
         while True:
-            reply = await self.redis.xread(streams, block=200)
+            try:
+                reply = await self.redis.xread(streams, block=200)
+            except redis.ConnectionError:   # a test dropped the connection: read on from where it was
+                continue
             for stream, entries in reply or ():
                 for entry_id, fields in entries:
                     streams[stream.decode()] = entry_id

@@ -454,3 +454,29 @@ async def test_one_tenant_cannot_take_every_stream_of_a_gateway(env):
         await channel.close()
         await handle.server.stop(0)
         await service.close()
+
+
+async def test_a_dropped_redis_connection_leaves_the_request_resumable(env):
+    """Redis drops the gateway's reading connection mid-stream: the caller gets UNAVAILABLE and
+    resumes within detach_grace_s, and the request runs to its end instead of being cancelled."""
+    call = env.stub.Generate(req("slow-dropped", max_new_tokens=30), metadata=ACME, timeout=60)
+    chunks = [await call.read() for _ in range(3)]
+    await drop_blocked_reads(env)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        while (chunk := await call.read()) is not grpc.aio.EOF:
+            chunks.append(chunk)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    seen = chunks[-1].index + 1
+    rest, _ = await stream(env, req("slow-dropped", max_new_tokens=30),
+                           metadata=ACME + (("x-resume-from", str(seen)),))
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 30
+    assert not await env.redis.exists(keys.cancel_key("acme", "slow-dropped"))
+
+
+async def drop_blocked_reads(env) -> None:
+    """CLIENT KILL every connection blocked in XREAD (the gateway's event reads, and the scripted
+    worker's, which reconnects)."""
+    clients = await env.redis.client_list()
+    ids = [c["id"] for c in clients if c.get("cmd") == "xread" and "b" in c.get("flags", "")]
+    assert ids
+    await env.redis.execute_command("CLIENT", "KILL", "ID", *ids)
