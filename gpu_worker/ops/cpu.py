@@ -2,9 +2,10 @@
 
 A decode step of one sequence spends more time dispatching small torch ops than computing them
 (about 40 dispatches per layer for two norms, the rotary embedding and the cache write). Here each,
-and silu_and_mul, is one ctypes call into cpu_layer_ops.c, and decode attention reads the paged
-cache in place (cpu_attention.py). Same contract as `reference` (see gpu_worker/ops/__init__.py); where a C
-kernel cannot be built, or a tensor is not fp32 with contiguous heads, the reference op runs.
+and silu_and_mul, is one ctypes call into cpu_layer_ops.c, and paged attention (decode and
+prefill) reads the cache in place (cpu_attention.py). Same contract as `reference` (see
+gpu_worker/ops/__init__.py); where a C kernel cannot be built, or a tensor is not fp32 with
+contiguous heads, the reference op runs.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import functools
 import torch
 
 from gpu_worker.ops import cpu_kernels, reference
-from gpu_worker.ops.cpu_attention import paged_decode_attention
-from gpu_worker.ops.reference import paged_prefill_attention
+from gpu_worker.ops.cpu_attention import paged_decode_attention, paged_prefill_attention
 
 __all__ = ["fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "rotary_embedding", "silu_and_mul", "write_kv_cache"]

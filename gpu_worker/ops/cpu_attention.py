@@ -1,9 +1,16 @@
-"""Paged decode attention on the CPU that reads K/V blocks in place (cpu_paged_attention.c).
+"""Paged attention on the CPU that reads K/V blocks in place (cpu_paged_attention.c).
 
 The torch reference (`reference.paged_decode_attention`) first gathers every decoding
 sequence's blocks into a dense [B, L, Hk, D] copy, then runs SDPA over it: at 32 sequences
 of 256 tokens that copy was a quarter of a decode step. The C kernel walks each sequence's
 block table instead, so K and V are read once and never written.
+
+Prefill runs through the same kernel: each prefill token is one query over its sequence's
+context up to and including itself. So a token's attention is the same bits whether a prefill
+(chunked or not, prefix hit or miss) or a decode step computes it, and a prefill costs one call
+instead of a gather, a mask and an SDPA per sequence. All 30 layers of a SmolLM2 prefill, 2
+threads: 73 tokens 23-24 ms (the reference 31-38), 256 tokens 94-97 (105-136), 512 tokens
+269-309 (231-306).
 
 The kernel is a small C file built on first use (ops/cpu_kernels.py). Where it cannot be
 built, or the cache is not fp32, `paged_decode_attention` falls back to the reference.
@@ -59,5 +66,32 @@ def paged_decode_attention(
             scale, min(torch.get_num_threads(), num_seqs),  # a thread per sequence at most
         )
     if rc != 0:
-        raise RuntimeError(f"cpu paged decode attention failed ({num_heads} heads > 128, or no memory)")
+        raise RuntimeError(f"cpu paged attention failed (head_dim {head_dim} > 256, or no memory)")
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as `reference.paged_prefill_attention`: q: [T, Hq, D], block_tables:
+    [S, max_blocks], query_start_loc: [S + 1], context_lens: [S] -> [T, Hq, D]. Sequence s's
+    chunk ends at position context_lens[s] - 1, so its token i sees the first
+    context_lens[s] - chunk_len + i + 1 positions."""
+    if library() is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
+        return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                 context_lens, scale)
+    starts = query_start_loc.long()
+    chunk_lens = starts[1:] - starts[:-1]
+    total = int(starts[-1])
+    seq_of = torch.repeat_interleave(torch.arange(len(chunk_lens)), chunk_lens)
+    within = torch.arange(total) - starts[:-1][seq_of]
+    token_lens = context_lens.long()[seq_of] - chunk_lens[seq_of] + within + 1
+    out = torch.empty_like(q)
+    out[:total] = paged_decode_attention(q[:total], k_cache, v_cache, block_tables[seq_of], token_lens, scale)
     return out

@@ -55,3 +55,32 @@ def test_other_dtypes_fall_back_to_the_reference():
     q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
     out = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125)
     assert torch.equal(out, reference.paged_decode_attention(q, k, v, tables, ctx, 0.125))
+
+
+def prefill_case(chunks: list[int], contexts: list[int], seed: int):
+    """One prefill chunk per sequence: chunk i ends at position contexts[i] - 1."""
+    _, k, v, tables, ctx = make_case(len(chunks), contexts, seed=seed)
+    q = torch.randn(sum(chunks) + 2, 9, 64, generator=torch.Generator().manual_seed(seed + 1))  # 2 padding rows
+    starts = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, tables, starts, ctx
+
+
+@pytest.mark.parametrize("chunks,contexts", [([9], [9]), ([73], [73]), ([5, 40, 1], [5, 90, 33]), ([16, 3], [200, 3])])
+def test_prefill_matches_the_reference(chunks, contexts):
+    q, k, v, tables, starts, ctx = prefill_case(chunks, contexts, seed=7)
+    out = cpu_attention.paged_prefill_attention(q, k, v, tables, starts, ctx, 0.125)
+    ref = reference.paged_prefill_attention(q, k, v, tables, starts, ctx, 0.125)
+    torch.testing.assert_close(out[:sum(chunks)], ref[:sum(chunks)], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_token_is_the_same_bits_as_that_token_decoded():
+    """Token i of a prefill chunk attends exactly as a decode step at its position would, so
+    chunking, a prefix hit and the step after a preemption all see the same bits."""
+    chunks, contexts = [12, 30], [12, 47]
+    q, k, v, tables, starts, ctx = prefill_case(chunks, contexts, seed=8)
+    out = cpu_attention.paged_prefill_attention(q, k, v, tables, starts, ctx, 0.125)
+    for s, (lo, n, c) in enumerate(zip(starts.tolist(), chunks, contexts)):
+        for i in range(n):
+            decoded = cpu_attention.paged_decode_attention(q[lo + i:lo + i + 1], k, v, tables[s:s + 1],
+                                                           torch.tensor([c - n + i + 1], dtype=torch.int32), 0.125)
+            assert torch.equal(decoded[0], out[lo + i]), (s, i)
