@@ -74,11 +74,23 @@ class EventPublisher:
         if not emissions and not ack_entries:
             return []
         pipe = self.redis.pipeline(transaction=False)
+        self.queue_events(pipe, emissions)
+        self.queue_acks(pipe, ack_entries)
+        return self.refused(emissions, await pipe.execute())
+
+    def queue_events(self, pipe, emissions: list[Emission]) -> None:
+        """Queue one fenced XADD per emission on `pipe` (one reply each, 0 when refused)."""
         for e in emissions:
             fencing.fenced_xadd(pipe, e.tracked.item, build_event(e, self.worker_id), self.ttl_s)
+
+    def queue_acks(self, pipe, ack_entries: list[str]) -> None:
+        """Queue XACK/XDEL of finished inbox entries on `pipe`, after their events."""
         if ack_entries:
             queue.ack_and_delete(pipe, self.inbox, keys.INBOX_GROUP, ack_entries)
-        replies = await pipe.execute()
+
+    @staticmethod
+    def refused(emissions: list[Emission], replies: list) -> list[Emission]:
+        """Record what was written (the first replies, one per emission); return the emissions refused."""
         refused = []
         for e, written in zip(emissions, replies):
             if written:

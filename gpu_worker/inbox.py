@@ -55,6 +55,11 @@ class Inbox:
     async def ensure_group(self) -> None:
         await queue.ensure_group(self.redis, self.key, keys.INBOX_GROUP)
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether own pending entries were re-read; from then on `queue_read` may be used."""
+        return self._pending_from is None
+
     async def read(self, count: int, block_ms: int | None) -> list[InboxEntry]:
         """Own pending entries first (once), then new ones; `block_ms` None = do not wait."""
         if self._pending_from is not None:
@@ -65,9 +70,21 @@ class Inbox:
             self._pending_from = None
         return await self._read(">", count, block_ms)
 
+    def reread_pending(self) -> None:
+        """A read's reply was lost: the entries it delivered are pending here; read them again."""
+        self._pending_from = "0"
+
+    def queue_read(self, pipe, count: int) -> None:
+        """Queue a read of new entries (no wait) on `pipe`; its reply goes to `entries`."""
+        pipe.xreadgroup(keys.INBOX_GROUP, self.consumer, {self.key: ">"}, count=count)
+
     async def _read(self, start: str, count: int, block_ms: int | None) -> list[InboxEntry]:
         reply = await self.redis.xreadgroup(keys.INBOX_GROUP, self.consumer, {self.key: start},
                                             count=count, block=block_ms)
+        return await self.entries(reply)
+
+    async def entries(self, reply) -> list[InboxEntry]:
+        """The batches of an XREADGROUP reply; entries that do not decode are dropped (acked, deleted)."""
         out: list[InboxEntry] = []
         dropped: list[str] = []
         for _stream, messages in reply or []:
