@@ -33,8 +33,8 @@ class GatewaySettings(CommonSettings):
     concurrency_retry_ms: int = setting(200, "retry-after-ms hint when max_concurrent is reached")
     tokenizer_timeout_s: float = setting(5.0, "per-call timeout of tokenizer_svc calls")
     tokenizer_wait_s: float = setting(120.0, "how long start-up waits for tokenizer_svc")
-    detach_grace_s: float = setting(2.0, "after a client disconnects, how long a resume may re-attach before "
-                                         "the request is cancelled")
+    detach_grace_s: float = setting(2.0, "after a client disconnects (or a stream loses Redis), how long a "
+                                         "resume may re-attach before the request is cancelled")
     cancel_grace_s: float = setting(3.0, "after a cancel, how long to wait for the worker's final event")
     max_streams: int = setting(1024, "Redis connections for blocking event reads")
     http_port: int = setting(0, "OpenAI-compatible HTTP port (0 = off, -1 = a free one, reported in "
