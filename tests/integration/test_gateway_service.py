@@ -461,12 +461,15 @@ async def test_a_dropped_redis_connection_leaves_the_request_resumable(env):
     resumes within detach_grace_s, and the request runs to its end instead of being cancelled."""
     call = env.stub.Generate(req("slow-dropped", max_new_tokens=30), metadata=ACME, timeout=60)
     chunks = [await call.read() for _ in range(3)]
-    await drop_blocked_reads(env)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        while (chunk := await call.read()) is not grpc.aio.EOF:
-            chunks.append(chunk)
+    dropper = asyncio.create_task(drop_blocked_reads(env))   # until the gateway's read is among them
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+    finally:
+        dropper.cancel()
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    seen = chunks[-1].index + 1
+    seen = chunks[-1].index + len(chunks[-1].token_ids)
     rest, _ = await stream(env, req("slow-dropped", max_new_tokens=30),
                            metadata=ACME + (("x-resume-from", str(seen)),))
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 30
@@ -474,9 +477,12 @@ async def test_a_dropped_redis_connection_leaves_the_request_resumable(env):
 
 
 async def drop_blocked_reads(env) -> None:
-    """CLIENT KILL every connection blocked in XREAD (the gateway's event reads, and the scripted
-    worker's, which reconnects)."""
-    clients = await env.redis.client_list()
-    ids = [c["id"] for c in clients if c.get("cmd") == "xread" and "b" in c.get("flags", "")]
-    assert ids
-    await env.redis.execute_command("CLIENT", "KILL", "ID", *ids)
+    """Every 10 ms, CLIENT KILL the connections blocked in XREAD (the gateway's event reads, and the
+    scripted worker's, which reconnects): a read the gateway is not blocked in at one moment is at
+    the next."""
+    while True:
+        clients = await env.redis.client_list()
+        ids = [c["id"] for c in clients if c.get("cmd") == "xread" and "b" in c.get("flags", "")]
+        if ids:
+            await env.redis.execute_command("CLIENT", "KILL", "ID", *ids)
+        await asyncio.sleep(0.01)
