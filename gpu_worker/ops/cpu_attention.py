@@ -13,7 +13,7 @@ threads: 73 tokens 23-24 ms (the reference 31-38), 256 tokens 94-97 (105-136), 5
 269-309 (231-306).
 
 The kernel is a small C file built on first use (ops/cpu_kernels.py). Where it cannot be
-built, or the cache is not fp32, `paged_decode_attention` falls back to the reference.
+built, or the cache is not fp32, both functions fall back to the reference.
 """
 
 from __future__ import annotations
