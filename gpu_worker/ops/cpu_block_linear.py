@@ -1,9 +1,10 @@
 """ctypes binding of cpu_block_linear.c: x [M, K] fp32 @ a block-quantized weight [N, K] -> [M, N] fp32.
 
-A weight is N rows of K/32 blocks (Q4_1: fp16 d and 16 bytes of 4-bit codes, with the blocks'
-offsets m in a separate fp32 array [N, K/32]; Q8_0: fp16 d and 32 int8 codes), read in place
-and multiplied as integers against 16-bit codes of the activations. See the C file for the
-layout and for why a row's output is the same bits for any number of rows and threads.
+A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P * pair bytes]
+(Q4_1: 4-bit, 32 bytes a pair; Q8_0: int8, 64 bytes a pair, both in the order the kernel widens
+them), fp16 scales d [N, 2P] and, for Q4_1, fp32 offsets m [N, 2P]. They are read in place and
+multiplied as integers against 16-bit codes of the activations. See the C file for the layout
+and for why a row's output is the same bits for any number of rows and threads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from gpu_worker.ops import cpu_kernels
 
 BLOCK = 32
 KINDS = ("q4_1", "q8_0")
-_ARGS = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
 
 
 @functools.cache
@@ -26,35 +27,41 @@ def library() -> ctypes.CDLL | None:
     return cpu_kernels.bind("cpu_block_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
 
 
-def linear(kind: str, x: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor | None,
+def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
-    """x: [M, K] fp32, blocks: [N, K/32 * block bytes] uint8, offsets: [N, K/32] fp32 (q4_1) or None
-    -> [M, N] fp32."""
+    """x: [M, K] fp32, codes: [N, P * pair bytes] uint8, scales: [N, 2P] fp16, offsets: [N, 2P] fp32
+    (q4_1) or None -> [M, N] fp32."""
     if not x.is_contiguous():
         x = x.contiguous()
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
     fn = getattr(library(), f"{kind}_linear_f32")
     with cpu_kernels.traced(f"cpu_{kind}_linear"):
-        rc = fn(x.data_ptr(), blocks.data_ptr(), None if offsets is None else offsets.data_ptr(), out.data_ptr(),
-                rows, out_features, in_features, torch.get_num_threads())
+        rc = fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
+                out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"cpu {kind} linear: no memory for the {rows} x {in_features} activation codes")
     return out
 
 
-def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
-    """[N, G] float -> [N, G, 2] uint8: each value as little-endian fp16."""
-    return t.to(torch.float16).contiguous().view(torch.uint8).view(*t.shape, 2)
+def pad_to_pairs(t: torch.Tensor) -> torch.Tensor:
+    """[N, G, ...] per block -> [N, 2P, ...], P = ceil(G / 2): an odd last block gets an all-zero partner."""
+    if t.shape[1] % 2 == 0:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], 1, *t.shape[2:])], dim=1)
 
 
-def pack_q4_1(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """codes [N, G, 32] in 0..15, d [N, G] -> blocks [N, G * 18] uint8 (fp16 d; byte j: code j | code j+16 << 4)."""
-    codes = codes.to(torch.uint8)
-    nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # [N, G, 16]
-    return torch.cat([_fp16_bytes(d), nibbles], dim=-1).flatten(1).contiguous()
+def pack_q4_1(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, G, 32] in 0..15, d [N, G] -> (codes [N, P * 32] uint8, d [N, 2P] fp16): per pair, block A's
+    16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code bytes)."""
+    codes = pad_to_pairs(codes.to(torch.uint8))
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # [N, 2P, 16]
+    return nibbles.flatten(1).contiguous(), pad_to_pairs(d).to(torch.float16).contiguous()
 
 
-def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """codes [N, G, 32] in -127..127, d [N, G] -> blocks [N, G * 34] uint8 (fp16 d, int8 codes)."""
-    return torch.cat([_fp16_bytes(d), codes.to(torch.int8).view(torch.uint8)], dim=-1).flatten(1).contiguous()
+def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [N, G, 32] in -127..127, d [N, G] -> (codes [N, P * 64] uint8, d [N, 2P] fp16): per pair, four
+    16-byte chunks [A 8c..8c+7, B 8c..8c+7] of int8 codes."""
+    paired = pad_to_pairs(codes.to(torch.int8)).view(codes.shape[0], -1, 2, 4, 8).transpose(2, 3)  # [N, P, c, A|B, 8]
+    paired = paired.contiguous().view(torch.uint8)
+    return paired.flatten(1).contiguous(), pad_to_pairs(d).to(torch.float16).contiguous()

@@ -34,7 +34,8 @@ int decode_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, 
                            const float *__restrict__ h_in,          /* [T, H] the embeddings */
                            float *__restrict__ h_out,               /* [T, H] the last layer's output */
                            float *__restrict__ residual_out,        /* [T, H] and its residual */
-                           const uint8_t *const *weights,           /* [L * 4] Q4_1 blocks: qkv, o, gate_up, down */
+                           const uint8_t *const *weights,           /* [L * 4] Q4_1 codes: qkv, o, gate_up, down */
+                           const uint16_t *const *scales,           /* [L * 4] their fp16 scales d */
                            const float *const *offsets,             /* [L * 4] their offsets m */
                            const float *const *norms,               /* [L * 2] input, post-attention norm weights */
                            float *const *k_caches, float *const *v_caches, /* [L] [num_blocks, bs, Hk, D] */
@@ -55,6 +56,7 @@ int decode_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, 
     int failed = 0;
     for (int l = 0; l < num_layers && !failed; l++) {
         const uint8_t *const *w = weights + (long)l * WEIGHTS_PER_LAYER;
+        const uint16_t *const *d = scales + (long)l * WEIGHTS_PER_LAYER;
         const float *const *m = offsets + (long)l * WEIGHTS_PER_LAYER;
         const float *const *norm = norms + (long)l * NORMS_PER_LAYER;
         if (l == 0) {
@@ -64,20 +66,20 @@ int decode_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, 
             rms_norm_f32(x, H, residual, H, norm[INPUT_NORM], hn, next, T, H, eps);
             residual = next;
         }
-        failed |= q4_1_linear_f32(hn, w[QKV], m[QKV], qkv, T, qkv_size, H, num_threads);
+        failed |= q4_1_linear_f32(hn, w[QKV], d[QKV], m[QKV], qkv, T, qkv_size, H, num_threads);
         rotary_f32(qkv, qkv_size, qkv + q_size, qkv_size, positions, cos_sin, q_rot, k_rot, T, Hq, Hk, D,
                    interleaved);
         write_kv_f32(k_rot, kv_size, qkv + q_size + kv_size, qkv_size, slots, k_caches[l], v_caches[l], T, kv_size);
         failed |= paged_decode_attention_f32(q_rot, k_caches[l], v_caches[l], block_tables, context_lens, attn, T,
                                              Hq, Hk, D, block_size, max_blocks, scale,
                                              num_threads < T ? num_threads : T);
-        failed |= q4_1_linear_f32(attn, w[O], m[O], hn, T, H, q_size, num_threads); /* hn: free again */
+        failed |= q4_1_linear_f32(attn, w[O], d[O], m[O], hn, T, H, q_size, num_threads); /* hn: free again */
         float *next = residual == res[0] ? res[1] : res[0];
         rms_norm_f32(hn, H, residual, H, norm[POST_NORM], h, next, T, H, eps);
         residual = next;
-        failed |= q4_1_linear_f32(h, w[GATE_UP], m[GATE_UP], gate_up, T, 2 * I, H, num_threads);
+        failed |= q4_1_linear_f32(h, w[GATE_UP], d[GATE_UP], m[GATE_UP], gate_up, T, 2 * I, H, num_threads);
         silu_and_mul_f32(gate_up, T, I, act, num_threads);
-        failed |= q4_1_linear_f32(act, w[DOWN], m[DOWN], h, T, H, I, num_threads);
+        failed |= q4_1_linear_f32(act, w[DOWN], d[DOWN], m[DOWN], h, T, H, I, num_threads);
         x = h;
     }
     if (!failed) {

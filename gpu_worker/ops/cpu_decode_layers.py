@@ -20,7 +20,7 @@ from gpu_worker.ops import cpu_kernels
 from gpu_worker.ops.quantized_linear import Q4_1Weight
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARGS = [_I] * 7 + [_P] * 11 + [_I, _P, _I, _P, _I, _F, _F, _I]
+_ARGS = [_I] * 7 + [_P] * 12 + [_I, _P, _I, _P, _I, _F, _F, _I]
 GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # the C file's order
 NORMS = ("input_norm", "post_norm")
 
@@ -45,8 +45,9 @@ class DecodeLayers:
         weights = [getattr(layer, name) for layer in model.layers for name in GEMMS]
         norms = [getattr(layer, name) for layer in model.layers for name in NORMS]
         self._cos_sin = model.cos_sin.contiguous()
-        self._tensors = [self._cos_sin, *norms, *(w.blocks for w in weights), *(w.offsets for w in weights)]
-        self._weights = _pointers([w.blocks for w in weights])
+        self._tensors = [self._cos_sin, *norms, *(t for w in weights for t in (w.codes, w.scales, w.offsets))]
+        self._weights = _pointers([w.codes for w in weights])
+        self._scales = _pointers([w.scales for w in weights])
         self._offsets = _pointers([w.offsets for w in weights])
         self._norms = _pointers(norms)
 
@@ -79,7 +80,7 @@ class DecodeLayers:
             rc = library().decode_layers_q4_1_f32(
                 self.num_layers, h.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 c.intermediate_size, h.data_ptr(), out.data_ptr(), residual.data_ptr(),
-                self._weights, self._offsets, self._norms,
+                self._weights, self._scales, self._offsets, self._norms,
                 _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
                 positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],

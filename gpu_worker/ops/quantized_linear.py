@@ -127,15 +127,18 @@ class BlockWeight(QuantizedWeight):
     kind: str
     offsets: torch.Tensor | None
 
-    def __init__(self, blocks: torch.Tensor, offsets: torch.Tensor | None, out_features: int,
-                 in_features: int) -> None:
+    def __init__(self, packed: tuple[torch.Tensor, torch.Tensor], offsets: torch.Tensor | None,
+                 out_features: int, in_features: int) -> None:
+        """packed: (codes, d) as cpu_block_linear.pack_* gives them; offsets [N, K/32] fp32 or None."""
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
-        self.register_buffer("blocks", blocks)  # [N, K/32 * block bytes] uint8
-        self.register_buffer("offsets", offsets)  # [N, K/32] fp32 or None
+        codes, scales = packed
+        self.register_buffer("codes", codes)  # [N, P * pair bytes] uint8
+        self.register_buffer("scales", scales)  # [N, 2P] fp16
+        self.register_buffer("offsets", None if offsets is None else cpu_block_linear.pad_to_pairs(offsets).contiguous())
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = cpu_block_linear.linear(self.kind, x.float(), self.blocks, self.offsets, self.out_features)
+        out = cpu_block_linear.linear(self.kind, x.float(), self.codes, self.scales, self.offsets, self.out_features)
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if bias is None else out + bias
 
@@ -148,7 +151,7 @@ class Q4_1Weight(BlockWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [N, K] float, K a multiple of 32."""
         codes, scale, low = int4_groups(weight)
-        super().__init__(cpu_block_linear.pack_q4_1(codes, scale), low.contiguous(), *weight.shape)
+        super().__init__(cpu_block_linear.pack_q4_1(codes, scale), low, *weight.shape)
 
 
 class Q8_0Weight(BlockWeight):

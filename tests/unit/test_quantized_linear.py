@@ -70,9 +70,9 @@ def test_q4_1_blocks_hold_a_q4_1_file_exactly_and_the_kernel_follows_fp32():
     gen = torch.Generator().manual_seed(3)
     w = q4_1_weight(64, 128, gen)
     weight = Q4_1Weight(w)
-    blocks = weight.blocks.view(64, 4, 18)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
-    codes = torch.cat([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], dim=-1).float()  # byte j: code j | code j+16
+    nibbles = weight.codes.view(64, 4, 16)  # per block of 32, byte j: code j | code j+16 << 4
+    codes = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
+    d = weight.scales.float()[..., None]
     assert torch.equal((codes * d + weight.offsets[..., None]).view(64, 128), w)
     x = torch.randn(5, 128, generator=gen)
     out, ref = Q4_1Weight(w)(x), F.linear(x, w)
@@ -86,9 +86,27 @@ def test_q8_0_blocks_hold_a_q8_0_file_exactly():
     codes[..., 0] = 127  # every group uses its full range, as GGUF's quantizer leaves it
     d = (torch.rand(32, 4, 1, generator=gen) * 0.01 + 0.001).half().float()
     w = (codes * d).view(32, 128)
-    blocks = Q8_0Weight(w).blocks.view(32, 4, 34)
-    assert torch.equal(blocks[..., 2:].contiguous().view(torch.int8).long(), codes)
-    assert torch.equal(blocks[..., 0:2].contiguous().view(torch.float16).float(), d)
+    weight = Q8_0Weight(w)
+    # per pair of blocks (A, B), four 16-byte chunks [A 8c..8c+7, B 8c..8c+7]
+    stored = weight.codes.view(torch.int8).view(32, 2, 4, 2, 8).transpose(2, 3).reshape(32, 4, 32)
+    assert torch.equal(stored.long(), codes)
+    assert torch.equal(weight.scales.float()[..., None], d)
+
+
+@needs_block_kernel
+@pytest.mark.parametrize("cls", [Q4_1Weight, Q8_0Weight])
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_block_kernel_follows_fp32_with_an_odd_block_count_too(cls, k):
+    """The kernel takes blocks in pairs; an odd last block is paired with zeros and adds nothing."""
+    gen = torch.Generator().manual_seed(6)
+    w = q4_1_weight(48, k, gen) if cls is Q4_1Weight else torch.randn(48, k, generator=gen) * 0.05
+    weight = cls(w)
+    dequantized = weight(torch.eye(k)).t()  # the weight the kernel multiplies by, row by row
+    x = torch.randn(7, k, generator=gen)
+    out, ref = weight(x), F.linear(x, dequantized)
+    assert ((out - ref).norm() / ref.norm()) < 1e-4
+    if cls is Q4_1Weight:
+        torch.testing.assert_close(dequantized, w, rtol=0, atol=1e-4)
 
 
 def test_int8_stores_one_byte_per_weight_and_int4_half():
