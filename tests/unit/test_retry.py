@@ -1,9 +1,11 @@
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
 import redis.exceptions
 
+from llmserve import retry
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.retry import is_retryable, retrying, retrying_sync
 
@@ -62,18 +64,27 @@ def test_non_retryable_error_is_raised_at_once():
     assert len(calls) == 1
 
 
-def test_stops_at_the_deadline():
-    deadline = time.monotonic() + 0.3
+def test_stops_at_the_deadline(monkeypatch):
+    """On a clock that only the policy's sleeps move: the policy never schedules an attempt past the
+    deadline. (On a real clock an OS that wakes a sleep late can still start one just past it; the
+    caller's per-attempt timeout, remaining(deadline), bounds that attempt to a millisecond.)"""
+    clock = {"now": 100.0}
+    monkeypatch.setattr(retry, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
+    deadline = clock["now"] + 0.3
+    policy = retrying_sync(deadline=deadline, max_attempts=1000, initial_s=0.02, max_backoff_s=0.05)
+    policy.sleep = lambda seconds: clock.update(now=clock["now"] + seconds)
     calls = []
 
     def always_down():
-        calls.append(time.monotonic())
+        calls.append(clock["now"])
+        clock["now"] += 0.001  # each attempt takes a millisecond
         raise Unavailable("down")
 
     with pytest.raises(Unavailable):
-        retrying_sync(deadline=deadline, max_attempts=1000, initial_s=0.02, max_backoff_s=0.05)(always_down)
+        policy(always_down)
     assert calls[-1] <= deadline  # never an attempt after the deadline
     assert len(calls) >= 2
+    assert deadline - calls[-1] <= 0.05 + 0.001  # and it kept trying until the next sleep would cross it
 
 
 async def test_async_policy_retries_then_succeeds():
