@@ -81,22 +81,17 @@ static void quantize_rows(const float *__restrict__ x, int M, int K, QuantRows q
             const long slot = r * 2 * pairs + b;
             int16_t *pair_codes = q.codes + (r * pairs + b / 2) * PAIR;
             float *lanes = q.lane_scale + (r * pairs + b / 2) * 8 + (b % 2) * 4;
-            float d = 0.f;
+            const float *v = b < blocks ? x + r * K + (long)b * BLOCK : NULL; /* NULL: the padding block */
+            float amax = 0.f;
+            for (int i = 0; v && i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float d = amax / (float)CODE_MAX;
+            const float inv = d > 0.f ? 1.f / d : 0.f;
             int sum = 0;
-            if (b < blocks) {
-                const float *v = x + r * K + (long)b * BLOCK;
-                float amax = 0.f;
-                for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
-                d = amax / (float)CODE_MAX;
-                const float inv = d > 0.f ? 1.f / d : 0.f;
-                for (int i = 0; i < BLOCK; i++) {
-                    const int c = (int)nearbyintf(v[i] * inv);
-                    /* weight i of block A/B: chunk i / 8, half b % 2, place i % 8 */
-                    pair_codes[(i / 8) * 16 + (b % 2) * 8 + i % 8] = (int16_t)c;
-                    sum += c;
-                }
-            } else {
-                for (int i = 0; i < BLOCK; i++) pair_codes[(i / 8) * 16 + 8 + i % 8] = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                const int c = v ? (int)nearbyintf(v[i] * inv) : 0;
+                /* weight i of block A/B: chunk i / 8, half b % 2, place i % 8 */
+                pair_codes[(i / 8) * 16 + (b % 2) * 8 + i % 8] = (int16_t)c;
+                sum += c;
             }
             for (int i = 0; i < 4; i++) lanes[i] = d;
             q.scaled_sum[slot] = d * (float)sum;

@@ -44,24 +44,28 @@ def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     return out
 
 
-def pad_to_pairs(t: torch.Tensor) -> torch.Tensor:
+def _pad_to_pairs(t: torch.Tensor) -> torch.Tensor:
     """[N, G, ...] per block -> [N, 2P, ...], P = ceil(G / 2): an odd last block gets an all-zero partner."""
     if t.shape[1] % 2 == 0:
         return t
     return torch.cat([t, t.new_zeros(t.shape[0], 1, *t.shape[2:])], dim=1)
 
 
-def pack_q4_1(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [N, G, 32] in 0..15, d [N, G] -> (codes [N, P * 32] uint8, d [N, 2P] fp16): per pair, block A's
-    16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code bytes)."""
-    codes = pad_to_pairs(codes.to(torch.uint8))
+Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # what `linear` takes: codes, scales, offsets
+
+
+def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Packed:
+    """codes [N, G, 32] in 0..15, d and m [N, G] -> (codes [N, P * 32] uint8, d [N, 2P] fp16, m [N, 2P] fp32):
+    per pair, block A's 16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code bytes)."""
+    codes = _pad_to_pairs(codes.to(torch.uint8))
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # [N, 2P, 16]
-    return nibbles.flatten(1).contiguous(), pad_to_pairs(d).to(torch.float16).contiguous()
+    return (nibbles.flatten(1).contiguous(), _pad_to_pairs(d).to(torch.float16).contiguous(),
+            _pad_to_pairs(m).float().contiguous())
 
 
-def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """codes [N, G, 32] in -127..127, d [N, G] -> (codes [N, P * 64] uint8, d [N, 2P] fp16): per pair, four
-    16-byte chunks [A 8c..8c+7, B 8c..8c+7] of int8 codes."""
-    paired = pad_to_pairs(codes.to(torch.int8)).view(codes.shape[0], -1, 2, 4, 8).transpose(2, 3)  # [N, P, c, A|B, 8]
+def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> Packed:
+    """codes [N, G, 32] in -127..127, d [N, G] -> (codes [N, P * 64] uint8, d [N, 2P] fp16, None): per pair,
+    four 16-byte chunks [A 8c..8c+7, B 8c..8c+7] of int8 codes."""
+    paired = _pad_to_pairs(codes.to(torch.int8)).view(codes.shape[0], -1, 2, 4, 8).transpose(2, 3)  # [N, P, c, A|B, 8]
     paired = paired.contiguous().view(torch.uint8)
-    return paired.flatten(1).contiguous(), pad_to_pairs(d).to(torch.float16).contiguous()
+    return paired.flatten(1).contiguous(), _pad_to_pairs(d).to(torch.float16).contiguous(), None

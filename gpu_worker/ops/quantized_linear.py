@@ -127,15 +127,14 @@ class BlockWeight(QuantizedWeight):
     kind: str
     offsets: torch.Tensor | None
 
-    def __init__(self, packed: tuple[torch.Tensor, torch.Tensor], offsets: torch.Tensor | None,
-                 out_features: int, in_features: int) -> None:
-        """packed: (codes, d) as cpu_block_linear.pack_* gives them; offsets [N, K/32] fp32 or None."""
+    def __init__(self, packed: cpu_block_linear.Packed, out_features: int, in_features: int) -> None:
+        """packed: (codes, scales, offsets) as cpu_block_linear.pack_* gives them."""
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
-        codes, scales = packed
+        codes, scales, offsets = packed
         self.register_buffer("codes", codes)  # [N, P * pair bytes] uint8
         self.register_buffer("scales", scales)  # [N, 2P] fp16
-        self.register_buffer("offsets", None if offsets is None else cpu_block_linear.pad_to_pairs(offsets).contiguous())
+        self.register_buffer("offsets", offsets)  # [N, 2P] fp32 or None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = cpu_block_linear.linear(self.kind, x.float(), self.codes, self.scales, self.offsets, self.out_features)
@@ -151,7 +150,7 @@ class Q4_1Weight(BlockWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [N, K] float, K a multiple of 32."""
         codes, scale, low = int4_groups(weight)
-        super().__init__(cpu_block_linear.pack_q4_1(codes, scale), low, *weight.shape)
+        super().__init__(cpu_block_linear.pack_q4_1(codes, scale, low), *weight.shape)
 
 
 class Q8_0Weight(BlockWeight):
@@ -164,7 +163,7 @@ class Q8_0Weight(BlockWeight):
         groups = _groups(weight, "q8_0")  # [N, K/32, 32]
         d = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)  # [N, K/32]
         codes = torch.round(groups / d[..., None]).clamp(-127, 127)
-        super().__init__(cpu_block_linear.pack_q8_0(codes, d), None, *weight.shape)
+        super().__init__(cpu_block_linear.pack_q8_0(codes, d), *weight.shape)
 
 
 class CudaInt8Weight(QuantizedWeight):
