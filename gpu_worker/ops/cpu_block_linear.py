@@ -19,12 +19,23 @@ from gpu_worker.ops import cpu_kernels
 BLOCK = 32
 KINDS = ("q4_1", "q8_0")
 _ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+# Up to this many rows a GEMM only streams its weights: one thread reads them as fast as two, and a
+# second one adds a fork/join to every op while taking the core the worker's event loop, Valkey and
+# the gateway need. A decode step of SmolLM2 int4 at 1 sequence, in-process on this 2-core VM: 6.8-11
+# ms on one thread against 9.6-16 on two; at 3 sequences and more two threads are ahead.
+MEMORY_BOUND_ROWS = 2
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be built (no compiler, no AVX2/FMA/F16C)."""
     return cpu_kernels.bind("cpu_block_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
+
+
+def threads_for(rows: int) -> int:
+    """Threads for a kernel call over `rows` activation rows: one while the weights' streaming bounds
+    it, else torch's. A row's output does not depend on the thread count, so neither do the logits."""
+    return 1 if rows <= MEMORY_BOUND_ROWS else torch.get_num_threads()
 
 
 def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
@@ -38,7 +49,7 @@ def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     fn = getattr(library(), f"{kind}_linear_f32")
     with cpu_kernels.traced(f"cpu_{kind}_linear"):
         rc = fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
+                out.data_ptr(), rows, out_features, in_features, threads_for(rows))
     if rc != 0:
         raise MemoryError(f"cpu {kind} linear: no memory for the {rows} x {in_features} activation codes")
     return out

@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cpu_kernels
+from gpu_worker.ops import cpu_block_linear, cpu_kernels
 from gpu_worker.ops.quantized_linear import Q4_1Weight
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -84,7 +84,7 @@ class DecodeLayers:
                 _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
                 positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],
-                c.head_dim**-0.5, c.rms_norm_eps, torch.get_num_threads(),
+                c.head_dim**-0.5, c.rms_norm_eps, cpu_block_linear.threads_for(h.shape[0]),
             )
         if rc != 0:
             raise MemoryError("cpu decode layers: no memory for the step's scratch")

@@ -190,3 +190,14 @@ def test_quantized_model_gives_close_logits(fmt):
               for m in (plain, quantized)]
     rel = (logits[1] - logits[0]).norm() / logits[0].norm()
     assert rel < {"int8": 0.02, "int4": 0.15}[fmt], rel
+
+
+def test_calls_of_few_rows_run_on_one_thread():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_block_linear.threads_for(1) == 1
+        assert cpu_block_linear.threads_for(cpu_block_linear.MEMORY_BOUND_ROWS) == 1
+        assert cpu_block_linear.threads_for(cpu_block_linear.MEMORY_BOUND_ROWS + 1) == 2
+    finally:
+        torch.set_num_threads(threads)
