@@ -1,12 +1,15 @@
 """The worker's engine loop: inbox → engine → token events, one engine step per turn.
 
     ┌─ idle (or on start): read the inbox, blocking (own pending entries first)
-    │  one pipeline: events of the last step, cancel keys, new inbox entries (no wait),
-    │                acks of finished batches ─▶ engine.abort + final events, engine.add
-    └─ engine.step() in a thread (the event loop stays free for gRPC and heartbeats)
+    │  engine.step() in a thread        ║  one pipeline, meanwhile: events of the last step,
+    │  (the event loop stays free for   ║  cancel keys, new inbox entries (no wait), acks of
+    │   gRPC, heartbeats and Redis)     ║  finished batches
+    └─ both done: the step's tokens become events; then engine.abort + final events, engine.add
 
-A busy turn is one Redis round trip: at one sequence a step is 14 ms and each round trip
-about 1-2 ms of this process's time, so three of them cost a tenth of the token rate.
+A busy turn is one Redis round trip, and it runs while the step computes: at one sequence a
+step is 8-14 ms and the round trip 1-2 ms of this process's time, a tenth of the token rate
+when it came between two steps. What the replies ask of the engine (cancels, fenced requests,
+new batches) is applied once the step is done, so it takes effect a step later than it arrived.
 
 Only this loop touches the engine, so add/abort/step never race. After a step the loop
 takes a `Snapshot` of the engine for heartbeats and Stats, which run concurrently.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -114,23 +118,29 @@ class WorkerLoop:
             for entry in await self.inbox.read(self.max_inbox_batches, None if self.busy else IDLE_BLOCK_MS):
                 self._accept_entry(entry)
             read_inbox = False
-        await self._exchange(read_inbox)
+        live = [t for t in self.state.tracked.values() if not t.seq.is_finished]
+        step = None
         if self.engine.has_work():
-            outputs = await asyncio.get_running_loop().run_in_executor(self._executor, self._step)
-            self._emit_outputs(outputs)
-        elif not self.accepting:
+            step = asyncio.get_running_loop().run_in_executor(self._executor, self._step)
+        try:
+            apply_replies = await self._exchange(live, read_inbox)
+        finally:
+            if step is not None:                     # even when the exchange failed: keep its tokens
+                self._emit_outputs(await step)
+        apply_replies()
+        if step is None and not self.accepting:
             await asyncio.sleep(0.02)
         self._take_snapshot()
 
-    async def _exchange(self, read_inbox: bool) -> None:
-        """One round trip: the queued events, the cancel keys of the live requests, a read of new
-        inbox entries (no wait) when `read_inbox`, then the acks of finished entries. On a Redis
-        error the events and acks stay queued, and entries the lost read delivered are read
-        again from this worker's pending list."""
-        live = [t for t in self.state.tracked.values() if not t.seq.is_finished]
+    async def _exchange(self, live: list[Tracked], read_inbox: bool) -> Callable[[], None]:
+        """One round trip: the queued events, the cancel keys of the `live` requests, a read of new
+        inbox entries (no wait) when `read_inbox`, then the acks of finished entries. Touches no
+        engine state (a step may be running): returns what applies the replies to the engine. On
+        a Redis error the events and acks stay queued, and entries the lost read delivered are
+        read again from this worker's pending list."""
         emissions, acks = self.state.unpublished, self.state.unacked
         if not (live or emissions or acks or read_inbox):
-            return
+            return lambda: None
         self.state.unpublished, self.state.unacked = [], []
         pipe = self.redis.pipeline(transaction=False)
         self.publisher.queue_events(pipe, emissions)
@@ -146,11 +156,16 @@ class WorkerLoop:
             if read_inbox:
                 self.inbox.reread_pending()
             raise
-        self._stop_fenced(self.publisher.refused(emissions, replies))
-        self._stop_cancelled_and_expired(live, replies[len(emissions):len(emissions) + len(live)])
-        if read_inbox:
-            for entry in await self.inbox.entries(replies[len(emissions) + len(live)]):
+        refused = self.publisher.refused(emissions, replies)
+        cancelled = replies[len(emissions):len(emissions) + len(live)]
+        entries = await self.inbox.entries(replies[len(emissions) + len(live)]) if read_inbox else []
+
+        def apply() -> None:
+            self._stop_fenced(refused)
+            self._stop_cancelled_and_expired(live, cancelled)
+            for entry in entries:
                 self._accept_entry(entry)
+        return apply
 
     def _step(self) -> list[StepOutput]:
         start = time.perf_counter()
