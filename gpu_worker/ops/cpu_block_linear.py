@@ -19,11 +19,13 @@ from gpu_worker.ops import cpu_kernels
 BLOCK = 32
 KINDS = ("q4_1", "q8_0")
 _ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
-# Up to this many rows a GEMM only streams its weights: one thread reads them as fast as two, and a
-# second one adds a fork/join to every op while taking the core the worker's event loop, Valkey and
-# the gateway need. A decode step of SmolLM2 int4 at 1 sequence, in-process on this 2-core VM: 6.8-11
-# ms on one thread against 9.6-16 on two; at 3 sequences and more two threads are ahead.
-MEMORY_BOUND_ROWS = 2
+# Up to this many rows a GEMM is bound by streaming its weights: one thread reads them about as fast
+# as two, and a second one adds a fork/join to every op while taking the core that the worker's event
+# loop, Valkey and the gateway need. On this 2-core VM, a decode step of SmolLM2 int4 in-process at 1
+# sequence took 6.8-11 ms on one thread against 9.6-16 on two, at 4 sequences about the same; through
+# the stack at 4 streams one thread gave 100-113 output tok/s against 90-98, and at 8 streams two
+# threads were ahead (120-123 against 103-106).
+MEMORY_BOUND_ROWS = 4
 
 
 @functools.cache

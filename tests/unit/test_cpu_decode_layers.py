@@ -12,7 +12,7 @@ from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.ops import cpu_decode_layers
+from gpu_worker.ops import cpu_block_linear, cpu_decode_layers
 
 pytestmark = pytest.mark.skipif(cpu_decode_layers.library() is None,
                                 reason="no C compiler (or no AVX2) to build the CPU kernels")
@@ -48,7 +48,8 @@ def logits_of_every_step(model: LlamaModel, monkeypatch, prompts: list[list[int]
 
 
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
+def threads(request, monkeypatch):
+    monkeypatch.setattr(cpu_block_linear, "MEMORY_BOUND_ROWS", 0)  # every call on the threads asked for
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param
