@@ -18,6 +18,9 @@ pytestmark = pytest.mark.e2e
 
 STORY = [pb.ChatMessage(role="user", content="Write a long story about a dragon who learns to bake bread.")]
 GREEDY_LONG = pb.SamplingParams(temperature=0.0, max_new_tokens=160)
+# 2048 tokens (the dev tenant's most) without EOS: about 20 s at the fastest this CPU stack decodes,
+# so a cancel, a disconnect or a 2 s deadline always comes first, however fast the engine gets
+UNFINISHABLE = pb.SamplingParams(temperature=0.0, max_new_tokens=2048, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -53,21 +56,25 @@ def story(request_id) -> pb.GenerateRequest:
     return pb.GenerateRequest(messages=STORY, sampling=GREEDY_LONG, request_id=request_id)
 
 
+def endless_story(request_id) -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=STORY, sampling=UNFINISHABLE, request_id=request_id)
+
+
 def test_cancel_rpc_stops_the_workers_sequence(inference, auth_metadata, valkey_client, stack):
     rid = "e2e-cancel-" + uuid.uuid4().hex[:8]
-    call = inference.Generate(story(rid), metadata=auth_metadata, timeout=300)
+    call = inference.Generate(endless_story(rid), metadata=auth_metadata, timeout=300)
     chunks = [next(call) for _ in range(3)]
     assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) >= 1, 30)
     inference.Cancel(pb.CancelRequest(request_id=rid), metadata=auth_metadata, timeout=10)
     chunks += list(call)
     assert chunks[-1].finish_reason == pb.FINISH_REASON_CANCELLED
-    assert chunks[-1].usage.completion_tokens < GREEDY_LONG.max_new_tokens
+    assert chunks[-1].usage.completion_tokens < UNFINISHABLE.max_new_tokens
     assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) == 0)
 
 
 def test_disconnect_stops_the_workers_sequence(inference, auth_metadata, valkey_client, stack):
     rid = "e2e-gone-" + uuid.uuid4().hex[:8]
-    call = inference.Generate(story(rid), metadata=auth_metadata, timeout=300)
+    call = inference.Generate(endless_story(rid), metadata=auth_metadata, timeout=300)
     next(call)
     call.cancel()
     assert wait_until(lambda: valkey_client.exists(keys.cancel_key("dev", rid)) == 1, 30)
@@ -77,7 +84,8 @@ def test_disconnect_stops_the_workers_sequence(inference, auth_metadata, valkey_
 def test_deadline_exceeded_in_time_and_worker_stops(inference, auth_metadata, valkey_client, stack):
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        list(inference.Generate(story("e2e-deadline-" + uuid.uuid4().hex[:8]), metadata=auth_metadata, timeout=2.0))
+        list(inference.Generate(endless_story("e2e-deadline-" + uuid.uuid4().hex[:8]), metadata=auth_metadata,
+                                timeout=2.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 30
     assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) == 0)
