@@ -9,7 +9,8 @@
  *   Q4_1: 32 bytes: A's 16 bytes, then B's; byte j holds code j (low nibble) and j + 16 (high), as
  *         a GGUF Q4_1 block has them; w = code * d + m
  *   Q8_0: 64 bytes: the four 16-byte chunks [A 8c..8c+7, B 8c..8c+7] of int8 codes; w = code * d
- * Beside them, per row and block: d [N, 2P] fp16 (exact GGUF scales) and, for Q4_1, m [N, 2P] fp32.
+ * Beside them, per row and block: d [N, 2P] fp16 and, for Q4_1, m [N, 2P] fp16 (a GGUF block's own
+ * scale and offset, exactly).
  *
  * Each call first quantizes its input rows to 16-bit codes in blocks of 32 (x ~ xcode * xd, xd =
  * max |x| / 32767: about 5 significant digits, finer than bf16), stored in the same pair order.
@@ -63,13 +64,15 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* dot of two fp32 arrays of length n in a fixed order: 8-lane fma chunks, hsum, then the tail */
-static inline float dot(const float *__restrict__ a, const float *__restrict__ b, int n) {
+/* dot of n fp16 values (widened to fp32 exactly) with n fp32 ones in a fixed order: 8-lane fma
+ * chunks, hsum, then the tail */
+static inline float dot_f16(const uint16_t *__restrict__ a, const float *__restrict__ b, int n) {
     __m256 acc = _mm256_setzero_ps();
     int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))), _mm256_loadu_ps(b + i), acc);
     float s = hsum(acc);
-    for (; i < n; i++) s = fmaf(a[i], b[i], s);
+    for (; i < n; i++) s = fmaf(_cvtsh_ss(a[i]), b[i], s);
     return s;
 }
 
@@ -146,7 +149,7 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
     static inline __attribute__((always_inline)) void NAME(QuantRows q, long row, int rows, int pairs,       \
                                                            const uint8_t *__restrict__ codes,                \
                                                            const uint16_t *__restrict__ d,                   \
-                                                           const float *__restrict__ offsets,                \
+                                                           const uint16_t *__restrict__ offsets,             \
                                                            float *__restrict__ out, long N) {                \
         __m256 acc[ROW_TILE];                                                                                \
         for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();                                     \
@@ -159,7 +162,7 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
         }                                                                                                    \
         for (int r = 0; r < rows; r++) {                                                                     \
             float s = hsum(acc[r]);                                                                          \
-            if (offsets) s += dot(offsets, q.scaled_sum + (row + r) * 2 * pairs, 2 * pairs);                 \
+            if (offsets) s += dot_f16(offsets, q.scaled_sum + (row + r) * 2 * pairs, 2 * pairs);             \
             out[r * N] = s;                                                                                  \
         }                                                                                                    \
     }
@@ -167,11 +170,11 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
 DEFINE_ROW_TILE(q4_1_tile, load_q4_1, Q4_1_PAIR_BYTES)
 DEFINE_ROW_TILE(q8_0_tile, load_q8_0, Q8_0_PAIR_BYTES)
 
-/* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] (Q4_1) or NULL
+/* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] fp16 (Q4_1) or NULL
  * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
 #define DEFINE_LINEAR(NAME, TILE, PAIR_BYTES)                                                                \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
-             const float *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \
+             const uint16_t *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
         QuantRows q = {malloc(sizeof(int16_t) * (size_t)M * pairs * PAIR),                                   \
                        malloc(sizeof(float) * (size_t)M * pairs * 8), malloc(sizeof(float) * (size_t)M * pairs * 2)}; \
@@ -189,7 +192,7 @@ DEFINE_ROW_TILE(q8_0_tile, load_q8_0, Q8_0_PAIR_BYTES)
                 for (int n = n0; n < n1; n++) {                                                              \
                     const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                                \
                     const uint16_t *wd = d + (long)n * 2 * pairs;                                            \
-                    const float *m = offsets ? offsets + (long)n * 2 * pairs : NULL;                         \
+                    const uint16_t *m = offsets ? offsets + (long)n * 2 * pairs : NULL;                      \
                     float *o = out + (long)r * N + n;                                                        \
                     if (M - r >= ROW_TILE)                                                                   \
                         TILE(q, r, ROW_TILE, pairs, wc, wd, m, o, N);                                        \

@@ -2,7 +2,7 @@
 
 A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P * pair bytes]
 (Q4_1: 4-bit, 32 bytes a pair; Q8_0: int8, 64 bytes a pair, both in the order the kernel widens
-them), fp16 scales d [N, 2P] and, for Q4_1, fp32 offsets m [N, 2P]. They are read in place and
+them), fp16 scales d [N, 2P] and, for Q4_1, fp16 offsets m [N, 2P]. They are read in place and
 multiplied as integers against 16-bit codes of the activations. See the C file for the layout
 and for why a row's output is the same bits for any number of rows and threads.
 """
@@ -42,7 +42,7 @@ def threads_for(rows: int) -> int:
 
 def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
-    """x: [M, K] fp32, codes: [N, P * pair bytes] uint8, scales: [N, 2P] fp16, offsets: [N, 2P] fp32
+    """x: [M, K] fp32, codes: [N, P * pair bytes] uint8, scales: [N, 2P] fp16, offsets: [N, 2P] fp16
     (q4_1) or None -> [M, N] fp32."""
     if not x.is_contiguous():
         x = x.contiguous()
@@ -68,12 +68,12 @@ Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # what `linear`
 
 
 def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Packed:
-    """codes [N, G, 32] in 0..15, d and m [N, G] -> (codes [N, P * 32] uint8, d [N, 2P] fp16, m [N, 2P] fp32):
+    """codes [N, G, 32] in 0..15, d and m [N, G] -> (codes [N, P * 32] uint8, d and m [N, 2P] fp16):
     per pair, block A's 16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code bytes)."""
     codes = _pad_to_pairs(codes.to(torch.uint8))
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # [N, 2P, 16]
     return (nibbles.flatten(1).contiguous(), _pad_to_pairs(d).to(torch.float16).contiguous(),
-            _pad_to_pairs(m).float().contiguous())
+            _pad_to_pairs(m).to(torch.float16).contiguous())
 
 
 def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> Packed:

@@ -36,7 +36,7 @@ int decode_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, 
                            float *__restrict__ residual_out,        /* [T, H] and its residual */
                            const uint8_t *const *weights,           /* [L * 4] Q4_1 codes: qkv, o, gate_up, down */
                            const uint16_t *const *scales,           /* [L * 4] their fp16 scales d */
-                           const float *const *offsets,             /* [L * 4] their offsets m */
+                           const uint16_t *const *offsets,          /* [L * 4] their fp16 offsets m */
                            const float *const *norms,               /* [L * 2] input, post-attention norm weights */
                            float *const *k_caches, float *const *v_caches, /* [L] [num_blocks, bs, Hk, D] */
                            const int64_t *__restrict__ positions,   /* [T] */
@@ -57,7 +57,7 @@ int decode_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, 
     for (int l = 0; l < num_layers && !failed; l++) {
         const uint8_t *const *w = weights + (long)l * WEIGHTS_PER_LAYER;
         const uint16_t *const *d = scales + (long)l * WEIGHTS_PER_LAYER;
-        const float *const *m = offsets + (long)l * WEIGHTS_PER_LAYER;
+        const uint16_t *const *m = offsets + (long)l * WEIGHTS_PER_LAYER;
         const float *const *norm = norms + (long)l * NORMS_PER_LAYER;
         if (l == 0) {
             rms_norm_f32(x, H, NULL, 0, norm[INPUT_NORM], hn, NULL, T, H, eps);

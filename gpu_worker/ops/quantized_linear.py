@@ -134,7 +134,7 @@ class BlockWeight(QuantizedWeight):
         codes, scales, offsets = packed
         self.register_buffer("codes", codes)  # [N, P * pair bytes] uint8
         self.register_buffer("scales", scales)  # [N, 2P] fp16
-        self.register_buffer("offsets", offsets)  # [N, 2P] fp32 or None
+        self.register_buffer("offsets", offsets)  # [N, 2P] fp16 or None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = cpu_block_linear.linear(self.kind, x.float(), self.codes, self.scales, self.offsets, self.out_features)
@@ -143,7 +143,7 @@ class BlockWeight(QuantizedWeight):
 
 
 class Q4_1Weight(BlockWeight):
-    """int4_groups as GGUF Q4_1 blocks (fp16 scale; the offsets in fp32): a Q4_1 file's weights come back exactly."""
+    """int4_groups as GGUF Q4_1 blocks (fp16 scale and offset): a Q4_1 file's weights come back exactly."""
 
     kind = "q4_1"
 
