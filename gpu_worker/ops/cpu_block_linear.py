@@ -19,13 +19,14 @@ from gpu_worker.ops import cpu_kernels
 BLOCK = 32
 KINDS = ("q4_1", "q8_0")
 _ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
-# Up to this many rows a GEMM is bound by streaming its weights: one thread reads them about as fast
-# as two, and a second one adds a fork/join to every op while taking the core that the worker's event
-# loop, Valkey and the gateway need. On this 2-core VM, a decode step of SmolLM2 int4 in-process at 1
-# sequence took 6.8-11 ms on one thread against 9.6-16 on two, at 4 sequences about the same; through
-# the stack at 4 streams one thread gave 100-113 output tok/s against 90-98, and at 8 streams two
-# threads were ahead (120-123 against 103-106).
-MEMORY_BOUND_ROWS = 4
+# Up to this many rows a call runs on one thread. A one-sequence decode step is the shortest there is,
+# and the other core is busy meanwhile with that token's work in the worker's event loop, Valkey and
+# the gateway, so a second kernel thread mostly waits for it. On a 2-core VM (the kernel on the
+# guided schedule, 6 alternations in-process, 2 through the stack): in-process a step at 1 sequence
+# took 10.8 ms on one thread against 7.2 on two, yet through the stack one stream's ITL p50 was
+# 11.5-12.4 ms on one thread against 12.1-12.9 on two; at 4 streams two threads gave 148-154 output
+# tok/s against 138-142 on one.
+SINGLE_THREAD_ROWS = 1
 
 
 @functools.cache
@@ -35,9 +36,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def threads_for(rows: int) -> int:
-    """Threads for a kernel call over `rows` activation rows: one while the weights' streaming bounds
-    it, else torch's. A row's output does not depend on the thread count, so neither do the logits."""
-    return 1 if rows <= MEMORY_BOUND_ROWS else torch.get_num_threads()
+    """Threads for a kernel call over `rows` activation rows: one up to SINGLE_THREAD_ROWS, else torch's.
+    A row's output does not depend on the thread count, so neither do the logits."""
+    return 1 if rows <= SINGLE_THREAD_ROWS else torch.get_num_threads()
 
 
 def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,

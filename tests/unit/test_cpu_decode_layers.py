@@ -49,7 +49,7 @@ def logits_of_every_step(model: LlamaModel, monkeypatch, prompts: list[list[int]
 
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
 def threads(request, monkeypatch):
-    monkeypatch.setattr(cpu_block_linear, "MEMORY_BOUND_ROWS", 0)  # every call on the threads asked for
+    monkeypatch.setattr(cpu_block_linear, "SINGLE_THREAD_ROWS", 0)  # every call on the threads asked for
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param

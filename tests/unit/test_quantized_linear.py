@@ -197,7 +197,7 @@ def test_calls_of_few_rows_run_on_one_thread():
     try:
         torch.set_num_threads(2)
         assert cpu_block_linear.threads_for(1) == 1
-        assert cpu_block_linear.threads_for(cpu_block_linear.MEMORY_BOUND_ROWS) == 1
-        assert cpu_block_linear.threads_for(cpu_block_linear.MEMORY_BOUND_ROWS + 1) == 2
+        assert cpu_block_linear.threads_for(cpu_block_linear.SINGLE_THREAD_ROWS) == 1
+        assert cpu_block_linear.threads_for(cpu_block_linear.SINGLE_THREAD_ROWS + 1) == 2
     finally:
         torch.set_num_threads(threads)
