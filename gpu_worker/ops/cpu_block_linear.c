@@ -44,7 +44,7 @@
 #define PAIR 64         /* weights per pair of blocks */
 #define Q4_1_PAIR_BYTES 32
 #define Q8_0_PAIR_BYTES 64
-#define ROW_TILE 4      /* input rows sharing one widened weight pair */
+#define ROW_TILE 4      /* input rows sharing one widened weight pair (the calls below name 1-3) */
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
 #define CODE_MAX 32767  /* activation codes are 16-bit */
 
@@ -143,7 +143,7 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s01, s23)), scale, acc);
 }
 
-/* out[r * N] for `rows` (1 or ROW_TILE, a constant after inlining) input rows from `row` and one
+/* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one
  * weight row (its codes, d and, for Q4_1, offsets m; else NULL). */
 #define DEFINE_ROW_TILE(NAME, LOAD, PAIR_BYTES)                                                              \
     static inline __attribute__((always_inline)) void NAME(QuantRows q, long row, int rows, int pairs,       \
@@ -198,10 +198,13 @@ DEFINE_ROW_TILE(q8_0_tile, load_q8_0, Q8_0_PAIR_BYTES)
                     const uint16_t *wd = d + (long)n * 2 * pairs;                                            \
                     const uint16_t *m = offsets ? offsets + (long)n * 2 * pairs : NULL;                      \
                     float *o = out + (long)r * N + n;                                                        \
-                    if (M - r >= ROW_TILE)                                                                   \
-                        TILE(q, r, ROW_TILE, pairs, wc, wd, m, o, N);                                        \
-                    else /* the last rows one at a time: constant row counts keep the tile in registers */   \
-                        for (int i = 0; i < M - r; i++) TILE(q, r + i, 1, pairs, wc, wd, m, o + (long)i * N, N); \
+                    /* a constant row count per call keeps the tile in registers */                          \
+                    switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                           \
+                    case 1: TILE(q, r, 1, pairs, wc, wd, m, o, N); break;                                    \
+                    case 2: TILE(q, r, 2, pairs, wc, wd, m, o, N); break;                                    \
+                    case 3: TILE(q, r, 3, pairs, wc, wd, m, o, N); break;                                    \
+                    default: TILE(q, r, ROW_TILE, pairs, wc, wd, m, o, N);                                   \
+                    }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
