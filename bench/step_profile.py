@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per CPU weight format: wall time of an engine step at N
 running sequences and the torch profiler's table of the ops inside it (the C kernels show as
-`cpu_decode_layers` (int4: every layer of a decode step in one call), `cpu_q4_1_linear`,
+`cpu_step_layers` (int4: every layer of a step in one call), `cpu_q4_1_linear`,
 `cpu_q8_0_linear` (the int4 vocab head), `cpu_paged_decode_attention`).
 
     .venv/bin/python -m bench.step_profile                         # formats none,int4; 1 and 16 sequences

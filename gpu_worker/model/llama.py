@@ -5,7 +5,7 @@ see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
 matmuls (cuBLAS on GPU; on CPU after `prepack_for_cpu`, oneDNN with prepacked fp32 weights,
 torch's weight-only int8 kernel, or int4 as GGUF Q4_1 blocks on a C kernel). Q/K/V and gate/up
 projections are fused into one GEMM each. On CPU the small ops and decode attention are C
-kernels (ops/cpu.py), and with int4 weights a decode-only step runs all layers in one C call.
+kernels (ops/cpu.py), and with int4 weights a step runs all layers in one C call.
 
 Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
 """
@@ -23,7 +23,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
-from gpu_worker.ops import cpu_decode_layers, get_ops, packed_linear, quantized_linear
+from gpu_worker.ops import cpu_step_layers, get_ops, packed_linear, quantized_linear
 from gpu_worker.ops.packed_linear import linear
 
 
@@ -144,7 +144,7 @@ class LlamaModel(nn.Module):
         )
         # [context_length, D] fp32 cos | sin; a buffer so .to(device) moves it along
         self.register_buffer("cos_sin", cos_sin_table(c, c.context_length, device), persistent=False)
-        self.cpu_decode: cpu_decode_layers.DecodeLayers | None = None  # set by prepack_for_cpu where it applies
+        self.cpu_layers: cpu_step_layers.StepLayers | None = None  # set by prepack_for_cpu where it applies
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,8 +165,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:  # [num_seqs, vocab] float32
         ops = get_ops(input_ids.device)
         h = F.embedding(input_ids, self.embed)  # [T, H]
-        if self.cpu_decode is not None and self.cpu_decode.takes(positions, meta, kv_cache):
-            h, residual = self.cpu_decode(h, positions, meta, kv_cache)  # the same bits, one call
+        if self.cpu_layers is not None and self.cpu_layers.takes(positions, meta, kv_cache):
+            h, residual = self.cpu_layers(h, positions, meta, kv_cache)  # the same bits, one call
         else:
             residual = None
             for i, layer in enumerate(self.layers):
@@ -184,7 +184,7 @@ class LlamaModel(nn.Module):
         or, with `quantization` int8/int4, a weight-only quantized one (ops/quantized_linear.py).
         The vocab head stays prepacked fp32 (bf16 logits would round near-ties together), except beside
         int4 on the block kernel: Q8_0 blocks with fp32 logits, as a GGUF file keeps it; then the
-        decode-only steps run every layer in one C call (ops/cpu_decode_layers.py). The model
+        steps run every layer in one C call (ops/cpu_step_layers.py). The model
         is inference-only afterwards (no load_weights, no .to()). False where prepacking is unsupported."""
         if self.device.type != "cpu" or not packed_linear.available(self.dtype):
             return False
@@ -195,7 +195,7 @@ class LlamaModel(nn.Module):
         head = quantized_linear.quantize_head(self.lm_head, quantization)
         _replace(self, "lm_head", head if head is not None else _cpu_weight(self.lm_head, "none"))
         self.share_lm_head = False
-        self.cpu_decode = cpu_decode_layers.DecodeLayers.build(self)
+        self.cpu_layers = cpu_step_layers.StepLayers.build(self)
         return True
 
     @torch.no_grad()

@@ -86,12 +86,19 @@ def paged_prefill_attention(
     if library() is None or q.dtype != torch.float32 or k_cache.dtype != torch.float32:
         return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
                                                  context_lens, scale)
+    tables, token_lens = prefill_token_queries(block_tables, query_start_loc, context_lens)
+    total = token_lens.shape[0]
+    out = torch.empty_like(q)
+    out[:total] = paged_decode_attention(q[:total], k_cache, v_cache, tables, token_lens, scale)
+    return out
+
+
+def prefill_token_queries(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                          context_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prefill token as one decode-style query: its sequence's block table [T, max_blocks] and
+    the context it sees [T] (up to and including itself), for the arguments of paged_prefill_attention."""
     starts = query_start_loc.long()
     chunk_lens = starts[1:] - starts[:-1]
-    total = int(starts[-1])
     seq_of = torch.repeat_interleave(torch.arange(len(chunk_lens)), chunk_lens)
-    within = torch.arange(total) - starts[:-1][seq_of]
-    token_lens = context_lens.long()[seq_of] - chunk_lens[seq_of] + within + 1
-    out = torch.empty_like(q)
-    out[:total] = paged_decode_attention(q[:total], k_cache, v_cache, block_tables[seq_of], token_lens, scale)
-    return out
+    within = torch.arange(int(starts[-1])) - starts[:-1][seq_of]
+    return block_tables[seq_of], context_lens.long()[seq_of] - chunk_lens[seq_of] + within + 1

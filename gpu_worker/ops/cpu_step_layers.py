@@ -1,10 +1,13 @@
-"""ctypes binding of cpu_decode_layers.c: every decoder layer of a decode-only CPU step in one call.
+"""ctypes binding of cpu_step_layers.c: every decoder layer of a CPU step in one call.
 
-`DecodeLayers.build(model)` is what LlamaModel.prepack_for_cpu keeps where this applies: an fp32
+`StepLayers.build(model)` is what LlamaModel.prepack_for_cpu keeps where this applies: an fp32
 model whose layers' four GEMM weights are all Q4_1 blocks (int4 on the block kernel, the CPU
-default), without a QKV bias. `takes(...)` says whether a step can run here: decodes only, an fp32
-KV cache. The C file calls the same kernels the Python path (llama.py over ops/cpu.py) calls, so
-both give the same bits for a token; the Python path still runs every step with a prefill in it.
+default), without a QKV bias. `takes(...)` says whether a step can run here (an fp32 KV cache):
+decodes, prefill chunks and both together. The C file calls the same kernels the Python path
+(llama.py over ops/cpu.py) calls, so both give the same bits for a token. A prefill step of
+SmolLM2 int4 in-process took 12.5 ms here against 24 on the Python path for 3 tokens, 21 against
+34 for 7 (the rest of a prompt from the prefix cache), 94 against 124 for 40, 313 against 349 for
+128 (medians of 5).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import ctypes
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cpu_block_linear, cpu_kernels
+from gpu_worker.ops import cpu_attention, cpu_block_linear, cpu_kernels
 from gpu_worker.ops.quantized_linear import Q4_1Weight
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -28,14 +32,14 @@ NORMS = ("input_norm", "post_norm")
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
-    return cpu_kernels.bind("cpu_decode_layers", {"decode_layers_q4_1_f32": (_ARGS, ctypes.c_int)})
+    return cpu_kernels.bind("cpu_step_layers", {"step_layers_q4_1_f32": (_ARGS, ctypes.c_int)})
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
 
 
-class DecodeLayers:
+class StepLayers:
     """The layers of one prepacked model as the C file takes them: pointers to its weights, which
     stay where they are from now on (a prepacked model is inference-only; `_tensors` keeps them alive)."""
 
@@ -52,7 +56,7 @@ class DecodeLayers:
         self._norms = _pointers(norms)
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> DecodeLayers | None:
+    def build(cls, model: torch.nn.Module) -> StepLayers | None:
         """The model's layers for the C file, or None where it does not apply to this model."""
         layers = model.layers
         applies = (
@@ -63,9 +67,9 @@ class DecodeLayers:
         return cls(model) if applies else None
 
     def takes(self, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
-        """Whether this step can run here: decodes only, int64 positions and slots, an fp32 cache."""
-        return (meta.num_prefills == 0 and meta.num_decodes > 0 and positions.dtype == torch.int64
-                and meta.slot_mapping.dtype == torch.int64 and kv_cache.dtype == torch.float32)
+        """Whether this step can run here: int64 positions and slots, an fp32 cache."""
+        return (positions.dtype == torch.int64 and meta.slot_mapping.dtype == torch.int64
+                and kv_cache.dtype == torch.float32)
 
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +77,10 @@ class DecodeLayers:
         c = self.config
         h = h.contiguous()
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
-        tables = meta.decode_block_tables.to(torch.int32).contiguous()
-        lens = meta.decode_context_lens.to(torch.int32).contiguous()
+        tables, lens = _token_queries(meta)
         out, residual = torch.empty_like(h), torch.empty_like(h)
-        with cpu_kernels.traced("cpu_decode_layers"):
-            rc = library().decode_layers_q4_1_f32(
+        with cpu_kernels.traced("cpu_step_layers"):
+            rc = library().step_layers_q4_1_f32(
                 self.num_layers, h.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 c.intermediate_size, h.data_ptr(), out.data_ptr(), residual.data_ptr(),
                 self._weights, self._scales, self._offsets, self._norms,
@@ -89,3 +92,17 @@ class DecodeLayers:
         if rc != 0:
             raise MemoryError("cpu decode layers: no memory for the step's scratch")
         return out, residual
+
+
+def _token_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of the step as one query, prefill tokens first: block tables [T, max_blocks] and
+    the context each sees [T], both int32 (a prefill token sees its sequence up to itself)."""
+    tables, lens = meta.decode_block_tables.to(torch.int32), meta.decode_context_lens.to(torch.int32)
+    if meta.num_prefills:
+        prefill_tables, prefill_lens = cpu_attention.prefill_token_queries(
+            meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
+        width = max(tables.shape[1], prefill_tables.shape[1])
+        tables = torch.cat([F.pad(prefill_tables.to(torch.int32), (0, width - prefill_tables.shape[1])),
+                            F.pad(tables, (0, width - tables.shape[1]))])
+        lens = torch.cat([prefill_lens.to(torch.int32), lens])
+    return tables.contiguous(), lens.contiguous()

@@ -1,5 +1,5 @@
-"""All layers of a decode-only CPU step in one C call (ops/cpu_decode_layers.py) against the
-Python path over the same kernels: the same logits, bit for bit, and the cases it leaves alone."""
+"""All layers of a CPU step in one C call (ops/cpu_step_layers.py) against the Python path over
+the same kernels: the same logits, bit for bit, and the models it leaves alone."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
-from gpu_worker.engine.sequence import SamplingParams
+from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.ops import cpu_block_linear, cpu_decode_layers
+from gpu_worker.ops import cpu_block_linear, cpu_step_layers
 
-pytestmark = pytest.mark.skipif(cpu_decode_layers.library() is None,
+pytestmark = pytest.mark.skipif(cpu_step_layers.library() is None,
                                 reason="no C compiler (or no AVX2) to build the CPU kernels")
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=16, context_length=256, tie_word_embeddings=True)
@@ -56,36 +56,61 @@ def threads(request, monkeypatch):
     torch.set_num_threads(before)
 
 
-def test_decode_steps_give_the_python_paths_logits_bit_for_bit(monkeypatch, threads):
+def test_steps_give_the_python_paths_logits_bit_for_bit(monkeypatch, threads):
     model = make_model()
-    assert model.cpu_decode is not None
+    assert model.cpu_layers is not None
     calls = []
-    call = cpu_decode_layers.DecodeLayers.__call__
-    monkeypatch.setattr(cpu_decode_layers.DecodeLayers, "__call__",
+    call = cpu_step_layers.StepLayers.__call__
+    monkeypatch.setattr(cpu_step_layers.StepLayers, "__call__",
                         lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 9, 17)]  # 1 to 5 cache blocks
     in_c = logits_of_every_step(model, monkeypatch, prompts)
-    assert calls and set(calls) == {3}  # every decode step, with the three sequences, ran in C
+    assert calls == [3 + 9 + 17] + [3] * 9  # the prefill step and every decode step ran in C
 
-    kept, model.cpu_decode = model.cpu_decode, None
+    kept, model.cpu_layers = model.cpu_layers, None
     in_python = logits_of_every_step(model, monkeypatch, prompts)
-    model.cpu_decode = kept
+    model.cpu_layers = kept
     assert len(in_c) == len(in_python) == 10
     assert all(torch.equal(a, b) for a, b in zip(in_c, in_python))
 
 
-def test_steps_with_a_prefill_take_the_python_path(monkeypatch):
+def test_chunked_prefills_prefix_hits_and_mixed_steps_give_the_python_paths_bits(monkeypatch, threads):
+    """Prompts arriving while others decode, prefills cut into chunks of a small token budget and a
+    prompt whose first blocks come from the prefix cache: every step, prefill tokens beside decodes,
+    runs in C and gives the Python path's logits bit for bit."""
     model = make_model()
     calls = []
-    call = cpu_decode_layers.DecodeLayers.__call__
-    monkeypatch.setattr(cpu_decode_layers.DecodeLayers, "__call__",
+    call = cpu_step_layers.StepLayers.__call__
+    monkeypatch.setattr(cpu_step_layers.StepLayers, "__call__",
                         lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
-    engine = LLMEngine.create(model, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8,
-                                                  max_num_batched_tokens=512, enable_prefix_caching=False))
-    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    engine.generate([[1, 2, 3]], [params])
-    assert len(calls) == 3  # the prefill step did not, the three decodes did
+    gen = torch.Generator().manual_seed(2)
+    first, second = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (13, 6))
+    arrivals = {0: [first], 2: [second], 4: [first[:9] + second]}  # step -> prompts added before it
+
+    def run() -> list[torch.Tensor]:
+        seen: list[torch.Tensor] = []
+        forward = model.forward
+        monkeypatch.setattr(model, "forward", lambda *a: seen.append(forward(*a).clone()) or seen[-1])
+        engine = LLMEngine.create(model, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8,
+                                                      max_num_batched_tokens=8, enable_prefix_caching=True))
+        params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+        step = 0
+        while step in arrivals or engine.has_work():
+            for prompt in arrivals.get(step, []):
+                engine.add(Sequence(prompt, params))
+            engine.step()
+            step += 1
+        monkeypatch.setattr(model, "forward", forward)
+        return seen
+
+    in_c = run()
+    assert len(calls) == len(in_c) and any(t > 3 for t in calls)  # every step in C, prefill chunks among them
+    kept, model.cpu_layers = model.cpu_layers, None
+    in_python = run()
+    model.cpu_layers = kept
+    assert len(in_c) == len(in_python)
+    assert all(torch.equal(a, b) for a, b in zip(in_c, in_python))
 
 
 @pytest.mark.parametrize("case", ["fp32 weights", "int8 weights", "qkv bias"])
@@ -94,4 +119,4 @@ def test_models_it_does_not_apply_to_keep_the_python_path(case):
         model = make_model("int4", dataclasses.replace(CONFIG, attention_bias=True))
     else:
         model = make_model("none" if case == "fp32 weights" else "int8")
-    assert model.cpu_decode is None
+    assert model.cpu_layers is None

@@ -1,21 +1,24 @@
-/* Every decoder layer of a decode-only step in one call, for Llama-family models whose four GEMM
- * weights per layer are Q4_1 blocks (cpu_block_linear.c) and whose KV cache is fp32.
+/* Every decoder layer of a CPU step in one call, for Llama-family models whose four GEMM weights
+ * per layer are Q4_1 blocks (cpu_block_linear.c) and whose KV cache is fp32.
  *
- * Built by gpu_worker/ops/cpu_kernels.py, called through ctypes by cpu_decode_layers.py. At one
+ * Built by gpu_worker/ops/cpu_kernels.py, called through ctypes by cpu_step_layers.py. At one
  * sequence a layer's own arithmetic takes about 0.3 ms, and the Python around its ten kernel
  * calls (views, allocations, argument checks, ctypes) took about 0.2 ms more; here that Python
- * runs once a step instead of once a layer.
+ * runs once a step instead of once a layer. A step's tokens are T queries, each with its own
+ * position, cache slot, block table and context length: a decoding sequence's one token, and
+ * every token of a prefill chunk, which sees its sequence up to and including itself. Each layer
+ * writes all T tokens' K/V before its attention, so a prefill token reads the chunk's earlier
+ * tokens from the cache.
  *
  * Each stage calls the very kernel the Python path (gpu_worker/model/llama.py on ops/cpu.py)
  * calls, with the same arguments, so a token's hidden states, KV and logits are the same bits
- * either way: a sequence decoded here, recomputed after preemption or decoded beside a prefill
- * (which takes the Python path) sees no difference.
+ * either way.
  *
- * Per layer, T tokens (one per sequence), hidden H, Hq query and Hk KV heads of size D, MLP width I:
+ * Per layer, T tokens, hidden H, Hq query and Hk KV heads of size D, MLP width I:
  *   hn = rms_norm(h + residual)            residual = h + residual   (layer 0: residual = h)
  *   qkv = hn @ Wqkv                        [T, (Hq + 2 Hk) D]
  *   q, k = rotary(qkv's q, k); cache[slot] = k, v
- *   a = paged decode attention(q)          [T, Hq D]
+ *   a = paged attention(q), one query per token   [T, Hq D]
  *   hn = rms_norm(a @ Wo + residual)       residual = a @ Wo + residual
  *   h = silu_and_mul(hn @ Wgate_up) @ Wdown
  */
@@ -30,7 +33,7 @@ enum { QKV, O, GATE_UP, DOWN, WEIGHTS_PER_LAYER };
 enum { INPUT_NORM, POST_NORM, NORMS_PER_LAYER };
 
 /* Returns 0, or -1 without memory for scratch (then h_out and residual_out are undefined). */
-int decode_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, int I,
+int step_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, int I,
                            const float *__restrict__ h_in,          /* [T, H] the embeddings */
                            float *__restrict__ h_out,               /* [T, H] the last layer's output */
                            float *__restrict__ residual_out,        /* [T, H] and its residual */
