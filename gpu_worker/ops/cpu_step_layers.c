@@ -34,20 +34,20 @@ enum { INPUT_NORM, POST_NORM, NORMS_PER_LAYER };
 
 /* Returns 0, or -1 without memory for scratch (then h_out and residual_out are undefined). */
 int step_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, int I,
-                           const float *__restrict__ h_in,          /* [T, H] the embeddings */
-                           float *__restrict__ h_out,               /* [T, H] the last layer's output */
-                           float *__restrict__ residual_out,        /* [T, H] and its residual */
-                           const uint8_t *const *weights,           /* [L * 4] Q4_1 codes: qkv, o, gate_up, down */
-                           const uint16_t *const *scales,           /* [L * 4] their fp16 scales d */
-                           const uint16_t *const *offsets,          /* [L * 4] their fp16 offsets m */
-                           const float *const *norms,               /* [L * 2] input, post-attention norm weights */
-                           float *const *k_caches, float *const *v_caches, /* [L] [num_blocks, bs, Hk, D] */
-                           const int64_t *__restrict__ positions,   /* [T] */
-                           const int64_t *__restrict__ slots,       /* [T] cache slot of each token, -1 = none */
-                           const float *__restrict__ cos_sin, int interleaved, /* [max_pos, D] */
-                           const int32_t *__restrict__ block_tables, int max_blocks, /* [T, max_blocks] */
-                           const int32_t *__restrict__ context_lens, int block_size, /* [T] */
-                           float scale, float eps, int num_threads) {
+                         const float *__restrict__ h_in,          /* [T, H] the embeddings */
+                         float *__restrict__ h_out,               /* [T, H] the last layer's output */
+                         float *__restrict__ residual_out,        /* [T, H] and its residual */
+                         const uint8_t *const *weights,           /* [L * 4] Q4_1 codes: qkv, o, gate_up, down */
+                         const uint16_t *const *scales,           /* [L * 4] their fp16 scales d */
+                         const uint16_t *const *offsets,          /* [L * 4] their fp16 offsets m */
+                         const float *const *norms,               /* [L * 2] input, post-attention norm weights */
+                         float *const *k_caches, float *const *v_caches, /* [L] [num_blocks, bs, Hk, D] */
+                         const int64_t *__restrict__ positions,   /* [T] */
+                         const int64_t *__restrict__ slots,       /* [T] cache slot of each token, -1 = none */
+                         const float *__restrict__ cos_sin, int interleaved, /* [max_pos, D] */
+                         const int32_t *__restrict__ block_tables, int max_blocks, /* [T, max_blocks] */
+                         const int32_t *__restrict__ context_lens, int block_size, /* [T] */
+                         float scale, float eps, int num_threads) {
     const int q_size = Hq * D, kv_size = Hk * D, qkv_size = q_size + 2 * kv_size;
     const long th = (long)T * H;
     float *scratch = malloc(sizeof(float) * (size_t)(4 * th + (long)T * (qkv_size + 2 * q_size + kv_size + 3 * I)));

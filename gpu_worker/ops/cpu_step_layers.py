@@ -90,7 +90,7 @@ class StepLayers:
                 c.head_dim**-0.5, c.rms_norm_eps, cpu_block_linear.threads_for(h.shape[0]),
             )
         if rc != 0:
-            raise MemoryError("cpu decode layers: no memory for the step's scratch")
+            raise MemoryError("cpu step layers: no memory for the step's scratch")
         return out, residual
 
 
