@@ -47,6 +47,11 @@
 #define ROW_TILE 4      /* input rows sharing one widened weight pair (the calls below name 1-3) */
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
 #define CODE_MAX 32767  /* activation codes are 16-bit */
+/* How far ahead of the pair in hand a thread asks for its weights. The hardware prefetchers stop
+ * at each 4 KiB page, so a thread streaming a decode step's weights waited on every page; a
+ * one-row decode step (30 layers and the head, 1 thread) took 11.4 ms against 13.4 without it
+ * (medians of 8 alternations), 2 threads 7.7 against 8.7; 4 and 16 rows are unchanged. */
+#define PREFETCH_BYTES 4096
 
 /* the input rows: codes [M, P * 64] in pair order; per pair the lane scales [M, P * 8]
  * (xd_A x4, xd_B x4); per block [M, 2P] xd * sum(codes) */
@@ -154,12 +159,16 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
         __m256 acc[ROW_TILE];                                                                                \
         for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();                                     \
         for (int p = 0; p < pairs; p++) {                                                                    \
+            _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);       \
             const Pair w = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                    \
             for (int r = 0; r < rows; r++) {                                                                 \
                 const long xp = (row + r) * pairs + p;                                                       \
                 acc[r] = accumulate(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                 \
             }                                                                                                \
         }                                                                                                    \
+        /* the scales and offsets: 4 bytes a pair against the codes' 32 or 64 */                             \
+        _mm_prefetch((const char *)d + PREFETCH_BYTES / 8, _MM_HINT_T0);                                     \
+        if (offsets) _mm_prefetch((const char *)offsets + PREFETCH_BYTES / 8, _MM_HINT_T0);                  \
         for (int r = 0; r < rows; r++) {                                                                     \
             float s = hsum(acc[r]);                                                                          \
             if (offsets) s += dot_f16(offsets, q.scaled_sum + (row + r) * 2 * pairs, 2 * pairs);             \
