@@ -66,7 +66,7 @@ def paged_decode_attention(
             scale, min(torch.get_num_threads(), num_seqs),  # a thread per sequence at most
         )
     if rc != 0:
-        raise RuntimeError(f"cpu paged attention failed (head_dim {head_dim} > 256, or no memory)")
+        raise MemoryError(f"cpu paged attention: no memory for the scratch of {num_seqs} queries")
     return out
 
 
