@@ -125,36 +125,50 @@ class Sampler:
             logits = logits.clone()
             for row in penalized:
                 apply_repetition_penalty(logits[row], seqs[row].token_ids, seqs[row].params.repetition_penalty)
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = [0] * len(seqs)
+        greedy = [i for i, seq in enumerate(seqs) if seq.params.greedy]
         sampled = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if greedy:
+            for i, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist()):
+                tokens[i] = token
         if sampled:
-            rows = logits if len(sampled) == len(seqs) else logits[sampled]
-            for i, token in zip(sampled, self._sample(rows, [seqs[i] for i in sampled])):
+            for i, token in zip(sampled, self._sample(_rows(logits, sampled), [seqs[i] for i in sampled])):
                 tokens[i] = token
         return tokens
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         # logits: [B, vocab]
         device = logits.device
-        temperature = torch.tensor([s.params.temperature for s in seqs], device=device).unsqueeze(1)
         top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
+        if any(s.params.temperature != 1.0 for s in seqs):     # x / 1 is x: the default skips a pass
+            temperature = torch.tensor([s.params.temperature for s in seqs], device=device).unsqueeze(1)
+            logits = logits / temperature
         # exponential race: argmax(p / E) with E ~ Exp(1) per token is a draw from p. The noise
         # is keyed by token id, so a tiny change in the logits (another batch, another chunking)
         # flips a draw only when two tokens' scores nearly tie; an inverse-CDF draw flipped ~1/4
         # of draws under bf16-size noise in the logits.
-        noise = torch.stack([self._exponential(s, logits.shape[1]) for s in seqs]).to(device)   # [B, vocab]
+        noise = _exponential_noise(seqs, logits.shape[1]).to(device)                             # [B, vocab]
         tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
-        for group in top_k_top_p_candidates(logits / temperature, top_k, top_p):
-            group_noise = noise[group.rows]
+        for group in top_k_top_p_candidates(logits, top_k, top_p):
+            group_noise = noise if len(group.rows) == len(seqs) else noise[group.rows]  # a group's rows ascend
             if group.token_ids is not None:
                 group_noise = group_noise.gather(1, group.token_ids)
             cols = (group.logits.softmax(dim=-1) / group_noise).argmax(dim=-1)
             tokens[group.rows] = cols if group.token_ids is None else group.token_ids.gather(1, cols[:, None])[:, 0]
         return tokens.tolist()
 
-    @staticmethod
-    def _exponential(seq: Sequence, vocab: int) -> torch.Tensor:
-        """[vocab] Exp(1) noise (-log U) fixed by (seed, position of the token to sample)."""
-        generator = torch.Generator().manual_seed(mix_seed(seq.params.seed, seq.num_tokens))
-        return torch.rand(vocab, generator=generator).log_().neg_()
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The given rows of `logits` [B, vocab] (the tensor itself when they are all of them, in order)."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]
+
+
+def _exponential_noise(seqs: list[Sequence], vocab: int) -> torch.Tensor:
+    """[B, vocab] Exp(1) noise (-log U), each row fixed by its sequence's (seed, position of the
+    token to sample)."""
+    noise = torch.empty(len(seqs), vocab)
+    for row, seq in zip(noise, seqs):
+        torch.rand(vocab, generator=torch.Generator().manual_seed(mix_seed(seq.params.seed, seq.num_tokens)), out=row)
+    return noise.log_().neg_()
