@@ -1,9 +1,9 @@
 """Next-token choice for every sequence of a batch, each with its own parameters.
 
 Randomness is a pure function of (seed, position of the token in the context): each
-draw uses a fresh `torch.Generator` seeded from both, so a request yields the same
-tokens whatever else shares its batch, on any worker, and after a preemption or a
-handoff to another worker (which continues at the same position).
+draw is torch.rand's stream after `manual_seed` of both (drawn in C, ops/cpu_uniform.py),
+so a request yields the same tokens whatever else shares its batch, on any worker, and
+after a preemption or a handoff to another worker (which continues at the same position).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from gpu_worker.engine.constraint import Constraints
 from gpu_worker.engine.sequence import Sequence
+from gpu_worker.ops import cpu_uniform
 
 _MASK64 = (1 << 64) - 1
 
@@ -168,7 +169,5 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _exponential_noise(seqs: list[Sequence], vocab: int) -> torch.Tensor:
     """[B, vocab] Exp(1) noise (-log U), each row fixed by its sequence's (seed, position of the
     token to sample)."""
-    noise = torch.empty(len(seqs), vocab)
-    for row, seq in zip(noise, seqs):
-        torch.rand(vocab, generator=torch.Generator().manual_seed(mix_seed(seq.params.seed, seq.num_tokens)), out=row)
-    return noise.log_().neg_()
+    seeds = [mix_seed(seq.params.seed, seq.num_tokens) for seq in seqs]
+    return cpu_uniform.uniform_rows(seeds, vocab).log_().neg_()   # torch.rand's stream of each seed
