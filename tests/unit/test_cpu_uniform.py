@@ -38,6 +38,10 @@ def test_without_the_kernel_torch_draws_the_same_rows(monkeypatch):
     assert torch.equal(cpu_uniform.uniform_rows(SEEDS, 1000), torch_rows(SEEDS, 1000))
 
 
+def test_no_seeds_no_rows():
+    assert cpu_uniform.uniform_rows([], 10).shape == (0, 10)
+
+
 @needs_kernel
 def test_a_wrong_stream_is_caught():
     """The check above can fail: a seed off by one gives another row."""
