@@ -118,14 +118,16 @@ def plot(results: dict[str, list[dict]], path: Path, slo: str) -> None:
 
 class LlamaServer:
     """llama.cpp's `llama-server` on the same GGUF, the baseline a user would pick instead: one slot
-    per stream of the highest level, 2 threads (this project's CPU worker size), on a free port."""
+    of `slot_tokens` per stream of the highest level, 2 threads (this project's CPU worker size), on a
+    free port."""
 
-    def __init__(self, binary: str, gguf: Path, parallel: int, threads: int, log: Path) -> None:
+    def __init__(self, binary: str, gguf: Path, parallel: int, slot_tokens: int, threads: int, log: Path) -> None:
         self.port = free_port()
         self.log = log.open("w")
         self.process = subprocess.Popen(
-            [binary, "-m", str(gguf), "--parallel", str(parallel), "-c", str(256 * parallel), "-t", str(threads),
-             "--host", "127.0.0.1", "--port", str(self.port)], stdout=self.log, stderr=subprocess.STDOUT)
+            [binary, "-m", str(gguf), "--parallel", str(parallel), "-c", str(slot_tokens * parallel),
+             "-t", str(threads), "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT)
 
     @property
     def url(self) -> str:
@@ -156,8 +158,10 @@ def measure(name: str, args, levels: list[int], tokenizer: Path, tmp: Path) -> l
     server = stack = None
     try:
         if name == "llama-server":
-            server = LlamaServer(args.llama_server, model_store.fetch(), max(levels), args.llama_threads,
-                                 RESULTS / "llama_server.log")
+            # guidellm's prompts run past --prompt-tokens once templated (158 for 128): room for twice
+            slot_tokens = 2 * args.prompt_tokens + args.output_tokens
+            server = LlamaServer(args.llama_server, model_store.fetch(), max(levels), slot_tokens,
+                                 args.llama_threads, RESULTS / "llama_server.log")
             server.wait_ready()
             target = server.url
         elif args.target:

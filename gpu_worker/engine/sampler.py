@@ -152,7 +152,7 @@ class Sampler:
         noise = _exponential_noise(seqs, logits.shape[1]).to(device)                             # [B, vocab]
         tokens = torch.empty(len(seqs), dtype=torch.long, device=device)
         for group in top_k_top_p_candidates(logits, top_k, top_p):
-            group_noise = noise if len(group.rows) == len(seqs) else noise[group.rows]  # a group's rows ascend
+            group_noise = _rows(noise, group.rows)                                       # a group's rows ascend
             if group.token_ids is not None:
                 group_noise = group_noise.gather(1, group.token_ids)
             cols = (group.logits.softmax(dim=-1) / group_noise).argmax(dim=-1)
@@ -161,9 +161,9 @@ class Sampler:
 
 
 
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The given rows of `logits` [B, vocab] (the tensor itself when they are all of them, in order)."""
-    return logits if len(rows) == logits.shape[0] else logits[rows]
+def _rows(batch: torch.Tensor, rows: list[int] | torch.Tensor) -> torch.Tensor:
+    """The given ascending rows of `batch` [B, vocab] (the tensor itself when they are all B of them)."""
+    return batch if len(rows) == batch.shape[0] else batch[rows]
 
 
 def _exponential_noise(seqs: list[Sequence], vocab: int) -> torch.Tensor:

@@ -27,9 +27,9 @@ def library() -> ctypes.CDLL | None:
 def uniform_rows(seeds: list[int], n: int) -> torch.Tensor:
     """[len(seeds), n] float32 uniform in [0, 1): row r is torch.rand(n) after manual_seed(seeds[r])."""
     out = torch.empty(len(seeds), n)
-    lib = library()
     if not seeds:
         return out
+    lib = library()
     if lib is None:
         for row, seed in zip(out, seeds):
             torch.rand(n, generator=torch.Generator().manual_seed(seed), out=row)
