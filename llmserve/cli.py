@@ -32,6 +32,7 @@ def _up(args: argparse.Namespace) -> int:
     models_file = Path(args.models).resolve() if args.models else None
     config = StackConfig(model=args.model, workers=args.workers, gateways=args.gateways, device=args.device,
                          models_file=models_file, quantization=args.quantization,
+                         drain_timeout_s=args.drain_timeout_s,
                          port=args.port, http_port=args.http_port,
                          tenants=Path(args.tenants).resolve() if args.tenants else DEFAULT_TENANTS,
                          redis_url=os.environ.get("REDIS_URL") or None, redis_appendonly=True,
@@ -190,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(env LLMSERVE_MODELS); replaces --model and --workers")
     up.add_argument("--quantization", default="",
                     help="workers' weight format (see python -m gpu_worker --help); default: the worker's")
+    up.add_argument("--drain-timeout-s", type=float, default=None,
+                    help="seconds a draining worker (SIGTERM, SIGHUP roll) finishes running sequences before "
+                         "it hands the rest to another worker (default: the worker's, 30)")
     up.add_argument("--log-dir", default="", help="where service logs go (default .llmserve/logs)")
     up.add_argument("--redis-fsync", choices=FSYNC_POLICIES, default="everysec",
                     help="appendfsync of the Valkey `up` starts: everysec (a machine crash may lose the last "

@@ -55,6 +55,8 @@ class StackConfig:
     gateways: int = 1
     device: str = "auto"
     quantization: str = ""            # worker weight format (--quantization); "" = the worker's default
+    drain_timeout_s: float | None = None   # how long a draining worker finishes sequences before handing
+                                           # the rest over (--drain-timeout-s); None = the worker's default
     port: int = 50051                 # first gateway's port; 0 = a free one
     http_port: int = 0                # first gateway's OpenAI-compatible HTTP port; 0 = off, -1 = a free one
     tenants: Path = DEFAULT_TENANTS
@@ -74,7 +76,8 @@ class ServiceProcess:
     """One `python -m <module>` child with its log file and the port it bound.
 
     The child binds `port_request` (0 = any free port) and writes the port it got to its port
-    file; `port` reads it from there. A sticky service (tokenizer_svc, gateway: others hold their
+    file; `port` reads it from there. Its Prometheus metrics listen on a free port too, reported
+    the same way (`metrics_port`). A sticky service (tokenizer_svc, gateway: others hold their
     address) asks for the same port again when it is started anew.
     """
 
@@ -86,6 +89,7 @@ class ServiceProcess:
         self.port_request = port_request
         self.log_path = log_path
         self.port_path = log_path.with_suffix(".port")
+        self.metrics_port_path = log_path.with_suffix(".metrics.port")
         self.env = env
         self.sticky_port = sticky_port
         self.process: subprocess.Popen | None = None
@@ -94,6 +98,12 @@ class ServiceProcess:
     @property
     def port(self) -> int:
         return self._port if self._port is not None else self.wait_port(time.monotonic() + 300.0)
+
+    @property
+    def metrics_port(self) -> int:
+        """The port of the child's Prometheus /metrics (it starts before the gRPC server)."""
+        self.wait_port(time.monotonic() + 300.0)
+        return int(self.metrics_port_path.read_text())
 
     @property
     def popen(self) -> subprocess.Popen:
@@ -108,10 +118,12 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         self.port_path.unlink(missing_ok=True)
+        self.metrics_port_path.unlink(missing_ok=True)
         self._port = None
         log = open(self.log_path, "ab")
         argv = [sys.executable, "-P", "-m", self.module, "--port", str(self.port_request),
-                "--port-file", str(self.port_path), *self.flags]
+                "--port-file", str(self.port_path), "--metrics-port", "-1",
+                "--metrics-port-file", str(self.metrics_port_path), *self.flags]
         self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
         return self
@@ -274,6 +286,8 @@ class Stack:
         flags = ["--model", spec, "--device", self.config.device, "--worker-id", name]
         if self.config.quantization:
             flags += ["--quantization", self.config.quantization]
+        if self.config.drain_timeout_s is not None:
+            flags += ["--drain-timeout-s", str(self.config.drain_timeout_s)]
         return self._service(name, "gpu_worker", flags)
 
     def start_gateway(self, port: int = 0) -> ServiceProcess:

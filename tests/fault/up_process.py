@@ -102,16 +102,26 @@ class UpProcess:
         assert len(pids) == 1, self.children()
         return pids[0]
 
-    def live_workers(self) -> list[str]:
-        """Workers whose heartbeat is fresh and who take work (what the batcher dispatches to)."""
+    def heartbeats(self) -> list[queue_pb2.WorkerHeartbeat]:
+        """The workers' heartbeats in Redis now (none while Redis is down)."""
         client = redis.Redis.from_url(self.redis_url)
         try:
             raw = client.hgetall(keys.workers_hash(model_store.model_id(model_store.DEFAULT_MODEL)))
+        except redis.ConnectionError:
+            return []
         finally:
             client.close()
+        return [queue_pb2.WorkerHeartbeat.FromString(v) for v in raw.values()]
+
+    def live_workers(self) -> list[str]:
+        """Workers whose heartbeat is fresh and who take work (what the batcher dispatches to)."""
         now = now_ms()
-        beats = [queue_pb2.WorkerHeartbeat.FromString(v) for v in raw.values()]
-        return sorted(b.worker_id for b in beats if not b.draining and now - b.sent_unix_ms < HEARTBEAT_FRESH_MS)
+        return sorted(b.worker_id for b in self.heartbeats()
+                      if not b.draining and now - b.sent_unix_ms < HEARTBEAT_FRESH_MS)
+
+    def joined_workers(self) -> list[str]:
+        """Workers that have joined and are not draining (a heartbeat, fresh or not: no clock involved)."""
+        return sorted(b.worker_id for b in self.heartbeats() if not b.draining)
 
     def wait_workers(self, count: int, timeout_s: float) -> None:
         """Block until `count` workers are live."""
@@ -139,13 +149,15 @@ class UpProcess:
 
 class FleetWatch:
     """Samples the live worker count from now on, in the background: when it fell short of
-    `count` and when it was whole again (the recovery time an operator sees)."""
+    `count` and when it was whole again (the recovery time an operator sees), and the fewest
+    workers joined and not draining at any sample (`fewest_joined`: how many were down at once)."""
 
     def __init__(self, up: UpProcess, count: int, interval_s: float = 0.2) -> None:
         self.up, self.count, self.interval_s = up, count, interval_s
         self.started = time.monotonic()
         self.short_at: float | None = None
         self.whole_at: float | None = None
+        self.fewest_joined = count
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -153,6 +165,7 @@ class FleetWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             live = len(self.up.live_workers())
+            self.fewest_joined = min(self.fewest_joined, len(self.up.joined_workers()))
             if live < self.count and self.short_at is None:
                 self.short_at = time.monotonic()
             elif live >= self.count and self.short_at is not None and self.whole_at is None:
