@@ -91,10 +91,14 @@ class UpProcess:
                 out[int(proc.name)] = argv
         return out
 
+    def service_pids(self) -> dict[str, int]:
+        """Service name (the stem of its --port-file: gpu_worker-0, gateway-0, ...) -> pid, now."""
+        return {Path(argv[argv.index(b"--port-file") + 1].decode()).stem: pid
+                for pid, argv in self.children().items() if b"--port-file" in argv}
+
     def worker_pids(self) -> dict[str, int]:
         """Worker name -> pid of the `python -m gpu_worker` children of `up` now."""
-        return {argv[argv.index(b"--worker-id") + 1].decode(): pid for pid, argv in self.children().items()
-                if b"gpu_worker" in argv and b"--worker-id" in argv}
+        return {name: pid for name, pid in self.service_pids().items() if name.startswith("gpu_worker-")}
 
     def valkey_pid(self) -> int:
         """The pid of the valkey-server `up` started (and supervises)."""
