@@ -82,7 +82,7 @@ class ServiceProcess:
     """
 
     def __init__(self, name: str, module: str, flags: list[str], port_request: int, log_path: Path,
-                 env: dict[str, str], sticky_port: bool = False) -> None:
+                 env: dict[str, str] | None, sticky_port: bool = False) -> None:
         self.name = name
         self.module = module
         self.flags = flags
@@ -124,7 +124,9 @@ class ServiceProcess:
         argv = [sys.executable, "-P", "-m", self.module, "--port", str(self.port_request),
                 "--port-file", str(self.port_path), "--metrics-port", "-1",
                 "--metrics-port-file", str(self.metrics_port_path), *self.flags]
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = _with_package_root(env.get("PYTHONPATH", ""))
+        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         return self
 
@@ -256,7 +258,6 @@ class Stack:
         """The children's environment; the Redis URL (it may hold a password) travels here, never in argv."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMSERVE_") or k in _PASSED_ENV}
         env["REDIS_URL"] = self.redis_url
-        env["PYTHONPATH"] = _with_package_root(env.get("PYTHONPATH", ""))
         env.update(self.config.extra_env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env

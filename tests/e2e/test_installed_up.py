@@ -1,11 +1,13 @@
 """`llmserve up` from a non-editable install, started in an empty directory: the wheel of this
-tree (`pip wheel`) installed with `pip install --target` into a directory of the test's own,
-found through PYTHONPATH alone (no checkout on the path), through to a real completion, then
-Ctrl-C and a clean exit. Also: the package data the services read at run time ships in it."""
+tree's files (`pip wheel` of a copy of what git tracks or would track) installed with
+`pip install --target` into a directory of the test's own, found through PYTHONPATH alone (no
+checkout on the path), through to a real completion, then Ctrl-C and a clean exit. Also: the
+package data the services read at run time ships in it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -22,11 +24,22 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("llmserve", "gateway", "tokenizer_svc", "batcher", "gpu_worker")
 
 
+def git_files(*pathspecs: str) -> list[str]:
+    """Files git tracks, or would (untracked, not ignored), under the checkout."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", *pathspecs],
+                            cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    return [name for name in listed.stdout.splitlines() if os.path.lexists(REPO_ROOT / name)]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy, as from a fresh clone: nothing ignored goes in, no build/ is left in the checkout."""
+    source, out = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("wheel")
+    for name in git_files():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, source / name, follow_symlinks=False)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(out), str(REPO_ROOT)], check=True)
+                    "-w", str(out), str(source)], check=True)
     (built,) = out.glob("llmserve-*.whl")
     return built
 
@@ -41,8 +54,7 @@ def site_dir(wheel, tmp_path_factory) -> Path:
 
 def test_wheel_ships_the_kernel_sources_protos_and_dev_tenants(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    tracked = subprocess.run(["git", "ls-files", "gpu_worker/**.c", "gpu_worker/**.cu", "gpu_worker/**.cuh"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    tracked = git_files("gpu_worker/**.c", "gpu_worker/**.cu", "gpu_worker/**.cuh")
     assert tracked, "no kernel sources tracked under gpu_worker/"
     assert sorted(set(tracked) - names) == []
     protos = sorted((REPO_ROOT / "protos" / "llmserve" / "v1").glob("*.proto"))

@@ -21,7 +21,7 @@ FAST = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, crash_loop_exits
 def child(stack: Stack, name: str, after_s: float, code: int, *flags: str) -> ServiceProcess:
     proc = ServiceProcess(name, "tests.integration.exiting_service",
                           ["--after", str(after_s), "--code", str(code), *flags],
-                          0, stack.log_dir / f"{name}.log", stack._env())
+                          0, stack.log_dir / f"{name}.log", None)
     stack.services[name] = proc
     return proc.start()
 
