@@ -25,7 +25,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import keys, model_store, queue
-from llmserve.client import Client
+from llmserve.client import Client, RetryPolicy
 from llmserve.loadgen.streams import PROMPTS, StreamLoad, mismatches, stall_s
 from tests.conftest import TEST_TENANTS
 from tests.fault.up_process import UpProcess
@@ -219,9 +219,12 @@ def test_undecodable_inbox_entry_is_acked_deleted_and_counted(up, load, baseline
 def test_kill9_of_valkey_loses_no_request_and_the_stack_heals(up, load, baseline):
     """kill -9 of the Valkey `up` started, under the streams: `up` restarts it on its port over
     its AOF (everysec: an acknowledged write is in the kernel before the reply), the services
-    ride out the gap, the SDK re-attaches each stream from its next index."""
+    ride out the gap, the SDK re-attaches each stream from its next index (with its default
+    retry policy, as a caller has it)."""
     old_pid = up.valkey_pid()
-    run_fault(up, load, baseline, "valkey-kill9", lambda: os.kill(old_pid, signal.SIGKILL))
+    sdk_default = StreamLoad(load.target, load.api_key, load.prompts, max_new_tokens=load.max_new_tokens,
+                             retry=RetryPolicy(), temperature=load.temperature)
+    run_fault(up, sdk_default, baseline, "valkey-kill9", lambda: os.kill(old_pid, signal.SIGKILL))
     assert "valkey exited with code -9" in up.stderr_text()
     assert up.valkey_pid() != old_pid
     with grpc.insecure_channel(up.gateway_target) as channel:
