@@ -76,9 +76,10 @@ class ServiceProcess:
     """One `python -m <module>` child with its log file and the port it bound.
 
     The child binds `port_request` (0 = any free port) and writes the port it got to its port
-    file; `port` reads it from there. Its Prometheus metrics listen on a free port too, reported
-    the same way (`metrics_port`). A sticky service (tokenizer_svc, gateway: others hold their
-    address) asks for the same port again when it is started anew.
+    file; `port` reads it from there. Its Prometheus metrics listen on a free port too, written
+    to `metrics_port_path` (NAME.metrics.port next to the log) for scrapers. A sticky service
+    (tokenizer_svc, gateway: others hold their address) asks for the same port again when it is
+    started anew.
     """
 
     def __init__(self, name: str, module: str, flags: list[str], port_request: int, log_path: Path,
@@ -98,12 +99,6 @@ class ServiceProcess:
     @property
     def port(self) -> int:
         return self._port if self._port is not None else self.wait_port(time.monotonic() + 300.0)
-
-    @property
-    def metrics_port(self) -> int:
-        """The port of the child's Prometheus /metrics (it starts before the gRPC server)."""
-        self.wait_port(time.monotonic() + 300.0)
-        return int(self.metrics_port_path.read_text())
 
     @property
     def popen(self) -> subprocess.Popen:
@@ -211,7 +206,7 @@ class Stack:
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-stack-")
             log_dir = Path(self._tmp.name)
-        self.log_dir = Path(log_dir).resolve()   # children run elsewhere: every path they get is absolute
+        self.log_dir = Path(log_dir).resolve()   # every path a child gets is absolute
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.valkey: ValkeyServer | None = None
         self.redis_url = config.redis_url or ""
