@@ -11,26 +11,32 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from llmserve import model_store
+from llmserve.valkey import FSYNC_POLICIES
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEV_API_KEY = "dev-key"  # the key of deploy/tenants.dev.yaml, for local use only
-# Where `up` records the Redis it started (or was given), for admin commands run from this directory.
+# `up`'s state, under the directory it was started in: logs and port files (logs/), the Valkey
+# AOF (valkey/), and the Redis URL it started or was given (redis-url), for admin commands run there.
 STATE_DIR = Path(".llmserve")
 REDIS_URL_FILE = STATE_DIR / "redis-url"
 
 
 def _up(args: argparse.Namespace) -> int:
     from llmserve.log import configure_logging
-    from llmserve.stack import Stack, StackConfig
+    from llmserve.stack import DEFAULT_TENANTS, Stack, StackConfig
     from llmserve.supervisor import Supervisor
 
     configure_logging("llmserve-up")
-    log_dir = Path(args.log_dir) if args.log_dir else Path(".llmserve") / "logs"
-    models_file = Path(args.models) if args.models else None
+    state_dir = STATE_DIR.resolve()
+    log_dir = Path(args.log_dir).resolve() if args.log_dir else state_dir / "logs"
+    models_file = Path(args.models).resolve() if args.models else None
     config = StackConfig(model=args.model, workers=args.workers, gateways=args.gateways, device=args.device,
                          models_file=models_file, quantization=args.quantization,
-                         port=args.port, http_port=args.http_port, tenants=Path(args.tenants),
-                         redis_url=os.environ.get("REDIS_URL") or None, log_dir=log_dir)
+                         drain_timeout_s=args.drain_timeout_s,
+                         port=args.port, http_port=args.http_port,
+                         tenants=Path(args.tenants).resolve() if args.tenants else DEFAULT_TENANTS,
+                         redis_url=os.environ.get("REDIS_URL") or None, redis_appendonly=True,
+                         redis_fsync=args.redis_fsync, redis_dir=state_dir / "valkey", log_dir=log_dir)
     stop, roll = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -38,13 +44,13 @@ def _up(args: argparse.Namespace) -> int:
     what = f"models of {models_file}" if models_file else f"model {args.model}, {args.workers} worker(s)"
     print(f"starting llmserve ({what}, device {args.device}); logs in {log_dir}/", flush=True)
     stack = Stack(config).start()
-    _record_redis_url(stack.redis_url)
+    redis_url_file = _record_redis_url(state_dir, stack.redis_url)
     supervisor = Supervisor(stack, say=lambda text: print(text, file=sys.stderr, flush=True))
     try:
         print(f"\nllmserve is up: gateway at {stack.gateway_target}  (Redis {redact_url(stack.redis_url)})")
         if args.http_port:
             print(f"OpenAI-compatible HTTP at {stack.http_url}/v1")
-        print(f'try:  .venv/bin/llmserve generate "What is the capital of France?" --target {stack.gateway_target}')
+        print(f'try:  llmserve generate "What is the capital of France?" --target {stack.gateway_target}')
         print("Ctrl-C stops everything gracefully; SIGHUP rolls the workers one at a time.", flush=True)
         while not stop.wait(0.5):
             if roll.is_set():
@@ -55,17 +61,19 @@ def _up(args: argparse.Namespace) -> int:
         print("stopping...", flush=True)
         supervisor.stop()
         codes = stack.stop()
-        REDIS_URL_FILE.unlink(missing_ok=True)
+        redis_url_file.unlink(missing_ok=True)
         print("stopped: " + ", ".join(f"{name}={code}" for name, code in codes.items()), flush=True)
     return 0
 
 
-def _record_redis_url(url: str) -> None:
+def _record_redis_url(state_dir: Path, url: str) -> Path:
     """.llmserve/redis-url, readable by this user only (the URL may carry a password)."""
-    STATE_DIR.mkdir(exist_ok=True)
-    fd = os.open(REDIS_URL_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / REDIS_URL_FILE.name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(url + "\n")
+    return path
 
 
 def admin_redis_url(flag: str | None) -> str:
@@ -173,8 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="gateway port")
     up.add_argument("--http-port", type=int, default=8000,
                     help="OpenAI-compatible HTTP port of the first gateway (0 = off, -1 = a free one)")
-    up.add_argument("--tenants", default=str(Path(__file__).resolve().parent.parent / "deploy" / "tenants.dev.yaml"),
-                    help="tenants YAML file")
+    up.add_argument("--tenants", default="", help="tenants YAML file (default: the dev tenants, key dev-key)")
     up.add_argument("--workers", type=int, default=1, help="number of gpu_worker processes")
     up.add_argument("--gateways", type=int, default=1, help="number of gateway processes")
     up.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -184,7 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(env LLMSERVE_MODELS); replaces --model and --workers")
     up.add_argument("--quantization", default="",
                     help="workers' weight format (see python -m gpu_worker --help); default: the worker's")
+    up.add_argument("--drain-timeout-s", type=float, default=None,
+                    help="seconds a draining worker (SIGTERM, SIGHUP roll) finishes running sequences before "
+                         "it hands the rest to another worker (default: the worker's, 30)")
     up.add_argument("--log-dir", default="", help="where service logs go (default .llmserve/logs)")
+    up.add_argument("--redis-fsync", choices=FSYNC_POLICIES, default="everysec",
+                    help="appendfsync of the Valkey `up` starts: everysec (a machine crash may lose the last "
+                         "second of writes) or always (none, slower writes); see docs/durability.md")
     up.set_defaults(func=_up)
 
     route = sub.add_parser("route", help="show or set, fleet-wide, the weights of an alias's versions")

@@ -273,7 +273,10 @@ async def serve(service: Service, settings: CommonSettings, name: str,
     stop = stop or asyncio.Event()
     _install_stop_signals(stop)
     if settings.metrics_port:
-        prometheus_client.start_http_server(settings.metrics_port, addr=settings.host)
+        metrics, _ = prometheus_client.start_http_server(max(settings.metrics_port, 0), addr=settings.host)
+        settings.metrics_port = metrics.server_port
+        if settings.metrics_port_file:
+            write_port_file(settings.metrics_port_file, metrics.server_port)
     handle = await start_server(service, settings, max_message_bytes)
     settings.port = handle.port          # from here on the settings name the port actually bound
     if settings.port_file:

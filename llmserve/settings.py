@@ -153,7 +153,8 @@ class CommonSettings(BaseSettings):
     host: str = setting("127.0.0.1", "interface the gRPC server binds")
     port: int = setting(0, "gRPC port (0 = the kernel picks a free one at bind time)")
     port_file: str = setting("", "write the bound gRPC port to this file once listening (for supervisors)")
-    metrics_port: int = setting(0, "Prometheus metrics HTTP port (0 = off)")
+    metrics_port: int = setting(0, "Prometheus metrics HTTP port (0 = off, -1 = a free one)")
+    metrics_port_file: str = setting("", "write the bound metrics port to this file once listening (for supervisors)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis/Valkey URL", env="REDIS_URL")
     redis_password: str = setting("", "Redis password (overrides the URL's)", secret=True)
     log_level: str = setting("info", "debug, info, warning or error")
@@ -169,7 +170,7 @@ class CommonSettings(BaseSettings):
     def validate(self) -> None:
         super().validate()
         require(0 <= self.port < 65536, "port", "must be in 0..65535")
-        require(0 <= self.metrics_port < 65536, "metrics_port", "must be in 0..65535")
+        require(-1 <= self.metrics_port < 65536, "metrics_port", "must be in -1..65535")
         require(0 <= self.health_port < 65536, "health_port", "must be in 0..65535")
         require(self.log_level in ("debug", "info", "warning", "error"), "log_level",
                 "must be debug, info, warning or error")

@@ -8,12 +8,17 @@ Used by `llmserve up` and by the end-to-end and fault tests:
     stack.gateway_target                            # "127.0.0.1:50051"
     stack.kill("gpu_worker-0")                      # kill -9, for fault tests
     stack.stop()                                    # SIGTERM in dependency order
+
+Children run in the caller's working directory (relative paths given to `up` mean what they
+mean there) with Python's safe-path mode (`-P`: that directory is not put on sys.path, so no
+folder in it can shadow a package) and find the packages where this process found llmserve.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -25,14 +30,16 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import llmserve
 from llmserve import model_store, redis_client, routes
 from llmserve.models_file import ModelsConfig, ServedModel, from_specs, load_models_file
 from llmserve.valkey import ValkeyServer
 
 logger = structlog.get_logger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TENANTS = REPO_ROOT / "deploy" / "tenants.dev.yaml"
+# The directory llmserve was imported from (a checkout, site-packages, a `pip install --target` dir).
+PACKAGE_ROOT = Path(llmserve.__file__).resolve().parent.parent
+DEFAULT_TENANTS = Path(llmserve.__file__).resolve().parent / "tenants.dev.yaml"   # ships in the wheel
 # LLMSERVE_* variables the children inherit: the model cache, and the queue cell count that
 # gateways, batchers and workers must agree on. Other LLMSERVE_* settings go by flags.
 _PASSED_ENV = ("LLMSERVE_CACHE_DIR", "LLMSERVE_QUEUE_SHARDS")
@@ -48,11 +55,15 @@ class StackConfig:
     gateways: int = 1
     device: str = "auto"
     quantization: str = ""            # worker weight format (--quantization); "" = the worker's default
+    drain_timeout_s: float | None = None   # how long a draining worker finishes sequences before handing
+                                           # the rest over (--drain-timeout-s); None = the worker's default
     port: int = 50051                 # first gateway's port; 0 = a free one
     http_port: int = 0                # first gateway's OpenAI-compatible HTTP port; 0 = off, -1 = a free one
     tenants: Path = DEFAULT_TENANTS
     redis_url: str | None = None      # None: start a Valkey server
-    redis_appendonly: bool = False
+    redis_appendonly: bool = False    # the started Valkey keeps an AOF (llmserve up: always)
+    redis_fsync: str = "everysec"     # its appendfsync: everysec | always (docs/durability.md)
+    redis_dir: Path | None = None     # where its AOF goes; None: log_dir/valkey
     log_dir: Path | None = None       # None: a temp dir
     host: str = "127.0.0.1"
     start_timeout_s: float = 300.0
@@ -65,18 +76,21 @@ class ServiceProcess:
     """One `python -m <module>` child with its log file and the port it bound.
 
     The child binds `port_request` (0 = any free port) and writes the port it got to its port
-    file; `port` reads it from there. A sticky service (tokenizer_svc, gateway: others hold their
-    address) asks for the same port again when it is started anew.
+    file; `port` reads it from there. Its Prometheus metrics listen on a free port too, written
+    to `metrics_port_path` (NAME.metrics.port next to the log) for scrapers. A sticky service
+    (tokenizer_svc, gateway: others hold their address) asks for the same port again when it is
+    started anew.
     """
 
     def __init__(self, name: str, module: str, flags: list[str], port_request: int, log_path: Path,
-                 env: dict[str, str], sticky_port: bool = False) -> None:
+                 env: dict[str, str] | None, sticky_port: bool = False) -> None:
         self.name = name
         self.module = module
         self.flags = flags
         self.port_request = port_request
         self.log_path = log_path
         self.port_path = log_path.with_suffix(".port")
+        self.metrics_port_path = log_path.with_suffix(".metrics.port")
         self.env = env
         self.sticky_port = sticky_port
         self.process: subprocess.Popen | None = None
@@ -99,16 +113,25 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         self.port_path.unlink(missing_ok=True)
+        self.metrics_port_path.unlink(missing_ok=True)
         self._port = None
         log = open(self.log_path, "ab")
-        argv = [sys.executable, "-m", self.module, "--port", str(self.port_request),
-                "--port-file", str(self.port_path), *self.flags]
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO_ROOT)
+        argv = [sys.executable, "-P", "-m", self.module, "--port", str(self.port_request),
+                "--port-file", str(self.port_path), "--metrics-port", "-1",
+                "--metrics-port-file", str(self.metrics_port_path), *self.flags]
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONPATH"] = _with_package_root(env.get("PYTHONPATH", ""))
+        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
         return self
 
     def alive(self) -> bool:
+        """Running; asking reaps an exited child."""
         return self.process is not None and self.process.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.process.returncode if self.process else None
 
     def wait_port(self, deadline: float) -> int:
         """Block until the child has bound its port; raise if it dies or time runs out."""
@@ -183,7 +206,7 @@ class Stack:
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="llmserve-stack-")
             log_dir = Path(self._tmp.name)
-        self.log_dir = Path(log_dir)
+        self.log_dir = Path(log_dir).resolve()   # every path a child gets is absolute
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.valkey: ValkeyServer | None = None
         self.redis_url = config.redis_url or ""
@@ -259,12 +282,14 @@ class Stack:
         flags = ["--model", spec, "--device", self.config.device, "--worker-id", name]
         if self.config.quantization:
             flags += ["--quantization", self.config.quantization]
+        if self.config.drain_timeout_s is not None:
+            flags += ["--drain-timeout-s", str(self.config.drain_timeout_s)]
         return self._service(name, "gpu_worker", flags)
 
     def start_gateway(self, port: int = 0) -> ServiceProcess:
         name = f"gateway-{self._gateway_seq}"
         self._gateway_seq += 1
-        flags = ["--tenants", str(self.config.tenants), "--tokenizer-target", self.tokenizer_target,
+        flags = ["--tenants", str(Path(self.config.tenants).resolve()), "--tokenizer-target", self.tokenizer_target,
                  "--models", self._models_flag(str(self.config.model))]
         if self.config.http_port and name == "gateway-0":
             flags += ["--http-port", str(self.config.http_port), "--http-port-file", str(self._http_port_file(name))]
@@ -289,8 +314,7 @@ class Stack:
         deadline = time.monotonic() + self.config.start_timeout_s
         try:
             if not self.redis_url:
-                data_dir = self.log_dir / "valkey" if self.config.redis_appendonly else None
-                self.valkey = ValkeyServer(appendonly=self.config.redis_appendonly, data_dir=data_dir).start()
+                self.valkey = self._valkey().start()
                 self.redis_url = self.valkey.url
             self.seed_routes()
             tokenizer = self.start_tokenizer()
@@ -304,6 +328,12 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _valkey(self) -> ValkeyServer:
+        if not self.config.redis_appendonly:
+            return ValkeyServer(log_path=self.log_dir / "valkey.log")
+        data_dir = self.config.redis_dir or self.log_dir / "valkey"
+        return ValkeyServer(data_dir=data_dir, appendfsync=self.config.redis_fsync, log_path=self.log_dir / "valkey.log")
 
     def seed_routes(self) -> None:
         """The models file's alias weights into Redis, over any earlier `llmserve route`: an `up`
@@ -337,3 +367,11 @@ class Stack:
         self.stop()
         if self._tmp:
             self._tmp.cleanup()
+
+
+def _with_package_root(pythonpath: str) -> str:
+    """PYTHONPATH with the directory llmserve came from first, unless Python finds it anyway (a
+    site directory), so a child imports the very code its parent runs."""
+    if str(PACKAGE_ROOT) in {*site.getsitepackages(), site.getusersitepackages()}:
+        return pythonpath
+    return os.pathsep.join([str(PACKAGE_ROOT), *filter(None, pythonpath.split(os.pathsep))])

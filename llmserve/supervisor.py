@@ -1,9 +1,15 @@
 """`llmserve up` as a supervisor of its stack, the local form of compose's
 `restart: unless-stopped` and of a Kubernetes rolling update:
 
-    service exits (crash, kill -9, drained by SIGTERM) ─▶ started again after a backoff
-    5 exits within 60 s                               ─▶ given up, log tail printed; the rest keep serving
+    child exits (crash, kill -9, drained by SIGTERM)  ─▶ started again after a backoff (doubling, capped)
+    5 exits within 60 s (a crash loop)                ─▶ its log tail printed once; retried every 30 s
+                                                         until it runs 60 s without exiting
     SIGHUP to `up` (roll_workers)                     ─▶ each worker in turn: drain ─▶ exit ─▶ start ─▶ SERVING
+
+The children are the services and the Valkey `up` started (same port, same AOF). Nothing is
+given up for good: a service that crash-loops because a dependency is down (Redis, the tokenizer)
+comes back once the dependency does. Every exit and restart is logged with structured fields
+(service, exit code, restarts so far, delay, crash_looping).
 
 `poll()` runs on `up`'s main thread; a roll runs on a thread of its own and holds the
 worker it is replacing, so `poll()` leaves that one alone.
@@ -17,6 +23,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 import structlog
 
@@ -25,26 +33,42 @@ from llmserve.stack import ServiceProcess, Stack
 logger = structlog.get_logger(__name__)
 
 
+class Child(Protocol):
+    """What the supervisor needs of a child process (ServiceProcess, ValkeyServer)."""
+
+    name: str
+    log_path: Path
+
+    def alive(self) -> bool: ...
+    @property
+    def exit_code(self) -> int | None: ...
+    def start(self) -> object: ...
+    def log_tail(self, lines: int = 30) -> str: ...
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 10.0
-    crash_loop_exits: int = 5        # this many exits ...
-    crash_loop_window_s: float = 60.0  # ... within this window: given up
-    roll_timeout_s: float = 600.0    # per worker: drain + restart + SERVING
+    crash_loop_exits: int = 5          # this many exits ...
+    crash_loop_window_s: float = 60.0  # ... within this window: a crash loop, until it runs this long
+    crash_loop_retry_s: float = 30.0   # the delay between restarts while crash-looping
+    roll_timeout_s: float = 600.0      # per worker: drain + restart + SERVING
 
 
 @dataclass
 class _Slot:
-    """Restart history of one service."""
+    """Restart history of one child."""
 
     exits: deque[float] = field(default_factory=deque)
     restart_at: float | None = None   # when the pending restart is due
-    given_up: bool = False
+    started_at: float | None = None   # when it was last started by the supervisor
+    restarts: int = 0
+    crash_looping: bool = False
 
 
 class Supervisor:
-    """Keeps every service of `stack` running until `up` is told to stop.
+    """Keeps every child of `stack` running until `up` is told to stop.
 
     Args:
         stack: a started stack.
@@ -57,7 +81,7 @@ class Supervisor:
         self.stack = stack
         self.policy = policy
         self.say = say
-        self.slots = {name: _Slot() for name in stack.services}
+        self.slots = {child.name: _Slot() for child in self.children()}
         self._held: set[str] = set()
         self._lock = threading.Lock()
         self._roll: threading.Thread | None = None
@@ -68,40 +92,62 @@ class Supervisor:
         with self._lock:
             self._stopped = True
 
+    def children(self) -> list[Child]:
+        """Valkey first (every service needs it), then the services."""
+        valkey: list[Child] = [self.stack.valkey] if self.stack.valkey else []
+        return [*valkey, *self.stack.services.values()]
+
     # -- restarts ------------------------------------------------------------------------------------
     def poll(self, now: float | None = None) -> None:
-        """Notice exited services and start the ones whose backoff is over."""
+        """Notice exited children and start the ones whose backoff is over."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if self._stopped:
                 return
-            for name, proc in self.stack.services.items():
-                slot = self.slots.setdefault(name, _Slot())
-                if name in self._held or slot.given_up or proc.alive():
+            for child in self.children():
+                slot = self.slots.setdefault(child.name, _Slot())
+                if child.name in self._held or child.alive():
                     continue
                 if slot.restart_at is None:
-                    self._exited(name, proc, slot, now)
+                    self._exited(child, slot, now)
                 elif now >= slot.restart_at:
-                    slot.restart_at = None
-                    proc.start()
-                    logger.info("service restarted", service=name)
+                    self._restart(child, slot, now)
 
-    def _exited(self, name: str, proc: ServiceProcess, slot: _Slot, now: float) -> None:
+    def _restart(self, child: Child, slot: _Slot, now: float) -> None:
+        slot.restart_at = None
+        slot.started_at = now
+        slot.restarts += 1
+        try:
+            child.start()
+        except (RuntimeError, OSError) as exc:   # Valkey's start waits for it; the next poll counts the exit
+            logger.error("restart failed", service=child.name, error=str(exc), restarts=slot.restarts)
+            return
+        logger.info("service restarted", service=child.name, restarts=slot.restarts, crash_looping=slot.crash_looping)
+
+    def _exited(self, child: Child, slot: _Slot, now: float) -> None:
+        if slot.started_at is not None and now - slot.started_at >= self.policy.crash_loop_window_s:
+            slot.exits.clear()            # it ran a whole window: whatever looped is over
+            slot.crash_looping = False
         slot.exits.append(now)
         while slot.exits and now - slot.exits[0] > self.policy.crash_loop_window_s:
             slot.exits.popleft()
-        code = proc.process.returncode if proc.process else None
-        if len(slot.exits) >= self.policy.crash_loop_exits:
-            slot.given_up = True
-            self.say(f"{name} exited {len(slot.exits)} times within {self.policy.crash_loop_window_s:.0f} s "
-                     f"(last exit code {code}); giving up on it, the other services keep running. "
-                     f"Last lines of {proc.log_path}:\n{proc.log_tail(20)}")
-            logger.error("service crash-looping; given up", service=name, exits=len(slot.exits), code=code)
-            return
-        delay = min(self.policy.backoff_max_s, self.policy.backoff_initial_s * 2 ** (len(slot.exits) - 1))
+        code = child.exit_code
+        if not slot.crash_looping and len(slot.exits) >= self.policy.crash_loop_exits:
+            slot.crash_looping = True
+            self.say(f"{child.name} exited {len(slot.exits)} times within {self.policy.crash_loop_window_s:.0f} s "
+                     f"(last exit code {code}); crash-looping: starting it every "
+                     f"{self.policy.crash_loop_retry_s:g} s until it stays up, the other services keep running. "
+                     f"Last lines of {child.log_path}:\n{child.log_tail(20)}")
+        delay = self._delay(slot)
         slot.restart_at = now + delay
-        self.say(f"{name} exited with code {code}; starting it again in {delay:g} s")
-        logger.warning("service exited; restarting", service=name, code=code, delay_s=delay)
+        self.say(f"{child.name} exited with code {code}; starting it again in {delay:g} s")
+        logger.warning("service exited; restarting", service=child.name, code=code, delay_s=delay,
+                       restarts=slot.restarts, exits_in_window=len(slot.exits), crash_looping=slot.crash_looping)
+
+    def _delay(self, slot: _Slot) -> float:
+        if slot.crash_looping:
+            return self.policy.crash_loop_retry_s
+        return min(self.policy.backoff_max_s, self.policy.backoff_initial_s * 2 ** (len(slot.exits) - 1))
 
     # -- rolling restart -----------------------------------------------------------------------------
     def roll_workers(self) -> bool:
@@ -118,7 +164,7 @@ class Supervisor:
             self._roll.join(timeout_s)
 
     def _roll_all(self) -> None:
-        workers = [p for p in self.stack.named("gpu_worker-") if not self.slots[p.name].given_up]
+        workers = [p for p in self.stack.named("gpu_worker-") if p.alive()]
         self.say(f"rolling restart of {len(workers)} worker(s)")
         for proc in workers:
             try:

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import grpc
 import kustomize_render as kustomize
 import pytest
 
 from llmserve import keys, model_store
-from llmserve.stack import REPO_ROOT, ServiceProcess
+from llmserve.stack import ServiceProcess
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 from llmserve.valkey import ValkeyServer, free_port
 
 pytestmark = pytest.mark.e2e
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 START_ORDER = ("tokenizer", "batcher", "worker", "gateway")
 POD_NAMES = {name: f"{name}-5d8f7c9b4-x2x7q" for name in START_ORDER}

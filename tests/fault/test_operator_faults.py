@@ -4,19 +4,28 @@ real model), 12 concurrent seeded streams at temperature 0.8, and the fault from
 Each test asserts that every stream completes with exactly the text of a fault-free run
 (contiguous indices, no splice of two runs), that `up` and the rest of the stack keep
 serving, and that the worker count is whole again within 90 s; it prints the longest
-client stall and the time until the fleet was whole. One `up` serves the whole module.
+client stall and the time until the fleet was whole. Each also asserts what its fault
+is for: a drain hands sequences over, a roll takes one worker at a time, a poison entry
+is acked, deleted and counted, a killed Valkey comes back with every accepted request.
+One `up` serves the whole module.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
+import urllib.request
 
+import grpc
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmserve import keys, model_store, queue
+from llmserve.client import Client, RetryPolicy
 from llmserve.loadgen.streams import PROMPTS, StreamLoad, mismatches, stall_s
 from tests.conftest import TEST_TENANTS
 from tests.fault.up_process import UpProcess
@@ -31,7 +40,9 @@ WHOLE_WITHIN_S = 90.0
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    process = UpProcess.start(tmp_path_factory.mktemp("up"), workers=WORKERS, tenants=TEST_TENANTS)
+    # A drain of 1 s: the streams outlast it, so a drained worker hands sequences over part-way.
+    process = UpProcess.start(tmp_path_factory.mktemp("up"), workers=WORKERS, tenants=TEST_TENANTS,
+                              flags=("--drain-timeout-s", "1"))
     process.wait_workers(WORKERS, timeout_s=120)
     yield process
     assert process.stop() == 0, process.stderr_text()[-2000:]
@@ -106,19 +117,53 @@ def test_kill9_of_a_worker_is_replaced(up, load, baseline):
     assert f"{victim} exited with code -9" in up.stderr_text()
 
 
+def log_events(log: str, msg: str) -> list[dict]:
+    """The structured (JSON) lines of a service log whose msg is `msg`."""
+    lines = (json.loads(line) for line in log.splitlines() if line.startswith("{"))
+    return [line for line in lines if line.get("msg") == msg]
+
+
+def token_events(up: UpProcess, request_id: str) -> list:
+    """Every token event of a request of tenant dev, in stream order (queue.decode_event)."""
+    client = redis.Redis.from_url(up.redis_url)
+    try:
+        return [queue.decode_event(fields) for _, fields in client.xrange(keys.events_stream("dev", request_id))]
+    finally:
+        client.close()
+
+
 def test_sigterm_drains_a_worker_and_up_replaces_it(up, load, baseline):
+    logged = {name: len(up.service_log(name)) for name in up.worker_pids()}
     victim, old_pid = run_fault(up, load, baseline, "sigterm", lambda: signal_busiest(up, signal.SIGTERM))
     assert up.worker_pids()[victim] != old_pid
     assert f"{victim} exited with code 0" in up.stderr_text()
+    (handoff,) = log_events(up.service_log(victim)[logged[victim]:], "handed back")
+    assert handoff["items"] > 0, handoff
+    for request_id in handoff["request_ids"]:
+        events = token_events(up, request_id)
+        dispatches = list(dict.fromkeys((e.worker_id, e.dispatch_epoch) for e in events))
+        assert len(dispatches) >= 2 and dispatches[0][0] == victim, (request_id, dispatches)
+        at = 0
+        for event in events:                       # one run of indices across both workers: no gap, no repeat
+            assert event.index == at, (request_id, [(e.worker_id, e.index, len(e.token_ids)) for e in events])
+            at += len(event.token_ids)
 
 
-def test_sighup_rolls_every_worker(up, load, baseline):
+def test_sighup_rolls_every_worker_one_at_a_time(up, load, baseline):
     before = up.worker_pids()
+    said_before = len(up.stderr_text())
+    watch = up.watch_fleet(WORKERS)
     run_fault(up, load, baseline, "sighup", lambda: up.signal(signal.SIGHUP))
     deadline = time.monotonic() + 300
-    while "rolling restart done" not in up.stderr_text():
+    while "rolling restart done" not in up.stderr_text()[said_before:]:
         assert time.monotonic() < deadline, up.stderr_text()[-2000:]
         time.sleep(0.5)
+    watch.recovery_s(timeout_s=WHOLE_WITHIN_S)
+    assert watch.fewest_joined >= WORKERS - 1, "more than one worker was down at once"
+    steps = [("drain", m[1]) if m[1] else ("replaced", m[2]) for m in
+             re.finditer(r"^(?:draining (\S+)|(\S+) replaced .* SERVING)$", up.stderr_text()[said_before:], re.MULTILINE)]
+    # each replacement SERVING before the next drain
+    assert steps == [(step, name) for name in sorted(before) for step in ("drain", "replaced")], steps
     after = up.worker_pids()
     assert sorted(after) == sorted(before)
     assert all(after[name] != pid for name, pid in before.items()), (before, after)
@@ -141,17 +186,53 @@ def test_worker_paused_past_its_ttl_is_fenced(up, load, baseline):
         time.sleep(0.5)
 
 
-def test_undecodable_inbox_entry_is_dropped(up, load, baseline):
+def inbox_dropped(up: UpProcess, worker: str) -> float:
+    """The worker's llmserve_worker_inbox_dropped_total, scraped from its /metrics."""
+    port = int((up.state_dir / "logs" / f"{worker}.metrics.port").read_text())
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return float(re.search(r"^llmserve_worker_inbox_dropped_total (\S+)$", body, re.MULTILINE).group(1))
+
+
+def test_undecodable_inbox_entry_is_acked_deleted_and_counted(up, load, baseline):
     victim = sorted(up.worker_pids())[0]
     pid = up.worker_pids()[victim]
+    dropped_before = inbox_dropped(up, victim)
     client = redis.Redis.from_url(up.redis_url)
     inbox = keys.inbox_stream(model_store.model_id(model_store.DEFAULT_MODEL), victim)
     try:
-        run_fault(up, load, baseline, "poison", lambda: client.xadd(inbox, {queue.BATCH_FIELD: b"\xff\x00 not a Batch"}))
+        entry = run_fault(up, load, baseline, "poison",
+                          lambda: client.xadd(inbox, {queue.BATCH_FIELD: b"\xff\x00 not a Batch"})).decode()
+        deadline = time.monotonic() + 30
+        while inbox_dropped(up, victim) == dropped_before:
+            assert time.monotonic() < deadline, up.service_log(victim)[-3000:]
+            time.sleep(0.2)
+        assert inbox_dropped(up, victim) == dropped_before + 1
+        assert client.xrange(inbox, entry, entry) == []                                     # deleted
+        assert client.xpending_range(inbox, keys.INBOX_GROUP, entry, entry, 1) == []          # acked
     finally:
         client.close()
     assert up.worker_pids()[victim] == pid          # dropped, not crashed
-    assert "dropping undecodable inbox entry" in up.service_log(victim)
+    assert [e["entry_id"] for e in log_events(up.service_log(victim), "dropping undecodable inbox entry")
+            if e["entry_id"] == entry] == [entry]
+
+
+def test_kill9_of_valkey_loses_no_request_and_the_stack_heals(up, load, baseline):
+    """kill -9 of the Valkey `up` started, under the streams: `up` restarts it on its port over
+    its AOF (everysec: an acknowledged write is in the kernel before the reply), the services
+    ride out the gap, the SDK re-attaches each stream from its next index (with its default
+    retry policy, as a caller has it)."""
+    old_pid = up.valkey_pid()
+    sdk_default = StreamLoad(load.target, load.api_key, load.prompts, max_new_tokens=load.max_new_tokens,
+                             retry=RetryPolicy(), temperature=load.temperature)
+    run_fault(up, sdk_default, baseline, "valkey-kill9", lambda: os.kill(old_pid, signal.SIGKILL))
+    assert "valkey exited with code -9" in up.stderr_text()
+    assert up.valkey_pid() != old_pid
+    with grpc.insecure_channel(up.gateway_target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with Client(up.gateway_target, api_key="dev-key") as client:
+        reply = client.complete(prompt="After the outage:", max_new_tokens=4, temperature=0.0)
+    assert reply.finish_reason in ("stop", "length")
 
 
 def test_engine_loop_failure_takes_the_worker_down(up, load, baseline):

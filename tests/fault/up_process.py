@@ -1,6 +1,6 @@
 """`llmserve up` run as an operator runs it: a process of its own, signalled from outside.
 
-    up = UpProcess.start(log_dir, workers=2)
+    up = UpProcess.start(run_dir, workers=2)         # `up` runs in run_dir: its state in run_dir/.llmserve
     up.gateway_target, up.redis_url                 # parsed from what `up` printed
     os.kill(up.worker_pids()["gpu_worker-0"], signal.SIGKILL)
     up.wait_workers(2, timeout_s=90)                # until 2 workers heartbeat and take work
@@ -32,41 +32,53 @@ HEARTBEAT_FRESH_MS = 2000
 @dataclass
 class UpProcess:
     process: subprocess.Popen
-    log_dir: Path
+    run_dir: Path
     gateway_target: str
     redis_url: str
 
     @classmethod
-    def start(cls, log_dir: Path, workers: int, tenants: Path, timeout_s: float = 300.0,
-              extra_env: dict[str, str] | None = None) -> UpProcess:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        out, err = open(log_dir / "up.stdout", "wb"), open(log_dir / "up.stderr", "wb")
+    def start(cls, run_dir: Path, workers: int, tenants: Path | None = None, timeout_s: float = 300.0,
+              extra_env: dict[str, str] | None = None, llmserve: Path | None = None,
+              flags: tuple[str, ...] = ()) -> UpProcess:
+        """`llmserve up` (default: the one next to this Python; tenants: its default) started in `run_dir`."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        out, err = open(run_dir / "up.stdout", "wb"), open(run_dir / "up.stderr", "wb")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         env.pop("REDIS_URL", None)
-        argv = [str(Path(sys.executable).parent / "llmserve"), "up", "--port", "0", "--http-port", "0",
-                "--workers", str(workers), "--device", "cpu", "--tenants", str(tenants), "--log-dir", str(log_dir / "services")]
-        process = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
+        argv = [str(llmserve or Path(sys.executable).parent / "llmserve"), "up", "--port", "0", "--http-port", "0",
+                "--workers", str(workers), "--device", "cpu", *flags]
+        if tenants is not None:
+            argv += ["--tenants", str(tenants)]
+        process = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=run_dir)
         out.close()
         err.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and process.poll() is None:
-            match = _UP_LINE.search((log_dir / "up.stdout").read_text(errors="replace"))
+            match = _UP_LINE.search((run_dir / "up.stdout").read_text(errors="replace"))
             if match:
-                return cls(process, log_dir, match.group(1), match.group(2))
+                return cls(process, run_dir, match.group(1), match.group(2))
             time.sleep(0.2)
         process.kill()
-        raise RuntimeError(f"llmserve up did not come up: {(log_dir / 'up.stderr').read_text()[-3000:]}")
+        process.wait()
+        raise RuntimeError(f"llmserve up did not come up: {(run_dir / 'up.stderr').read_text()[-3000:]}")
 
     # -- what an operator sees -------------------------------------------------------------------------
+    @property
+    def state_dir(self) -> Path:
+        return self.run_dir / ".llmserve"
+
+    def stdout_text(self) -> str:
+        return (self.run_dir / "up.stdout").read_text(errors="replace")
+
     def stderr_text(self) -> str:
-        return (self.log_dir / "up.stderr").read_text(errors="replace")
+        return (self.run_dir / "up.stderr").read_text(errors="replace")
 
     def service_log(self, name: str) -> str:
-        return (self.log_dir / "services" / f"{name}.log").read_text(errors="replace")
+        return (self.state_dir / "logs" / f"{name}.log").read_text(errors="replace")
 
-    def worker_pids(self) -> dict[str, int]:
-        """Worker name -> pid of the `python -m gpu_worker` children of `up` now."""
-        pids = {}
+    def children(self) -> dict[int, list[bytes]]:
+        """pid -> argv of every child of `up` now (zombies included: their argv is empty)."""
+        out = {}
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit():
                 continue
@@ -75,20 +87,45 @@ class UpProcess:
                 ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == self.process.pid and b"gpu_worker" in argv and b"--worker-id" in argv:
-                pids[argv[argv.index(b"--worker-id") + 1].decode()] = int(proc.name)
-        return pids
+            if ppid == self.process.pid:
+                out[int(proc.name)] = argv
+        return out
 
-    def live_workers(self) -> list[str]:
-        """Workers whose heartbeat is fresh and who take work (what the batcher dispatches to)."""
+    def service_pids(self) -> dict[str, int]:
+        """Service name (the stem of its --port-file: gpu_worker-0, gateway-0, ...) -> pid, now."""
+        return {Path(argv[argv.index(b"--port-file") + 1].decode()).stem: pid
+                for pid, argv in self.children().items() if b"--port-file" in argv}
+
+    def worker_pids(self) -> dict[str, int]:
+        """Worker name -> pid of the `python -m gpu_worker` children of `up` now."""
+        return {name: pid for name, pid in self.service_pids().items() if name.startswith("gpu_worker-")}
+
+    def valkey_pid(self) -> int:
+        """The pid of the valkey-server `up` started (and supervises)."""
+        pids = [pid for pid, argv in self.children().items() if argv and b"valkey-server" in argv[0]]
+        assert len(pids) == 1, self.children()
+        return pids[0]
+
+    def heartbeats(self) -> list[queue_pb2.WorkerHeartbeat]:
+        """The workers' heartbeats in Redis now (none while Redis is down)."""
         client = redis.Redis.from_url(self.redis_url)
         try:
             raw = client.hgetall(keys.workers_hash(model_store.model_id(model_store.DEFAULT_MODEL)))
+        except redis.ConnectionError:
+            return []
         finally:
             client.close()
+        return [queue_pb2.WorkerHeartbeat.FromString(v) for v in raw.values()]
+
+    def live_workers(self) -> list[str]:
+        """Workers whose heartbeat is fresh and who take work (what the batcher dispatches to)."""
         now = now_ms()
-        beats = [queue_pb2.WorkerHeartbeat.FromString(v) for v in raw.values()]
-        return sorted(b.worker_id for b in beats if not b.draining and now - b.sent_unix_ms < HEARTBEAT_FRESH_MS)
+        return sorted(b.worker_id for b in self.heartbeats()
+                      if not b.draining and now - b.sent_unix_ms < HEARTBEAT_FRESH_MS)
+
+    def joined_workers(self) -> list[str]:
+        """Workers that have joined and are not draining (a heartbeat, fresh or not: no clock involved)."""
+        return sorted(b.worker_id for b in self.heartbeats() if not b.draining)
 
     def wait_workers(self, count: int, timeout_s: float) -> None:
         """Block until `count` workers are live."""
@@ -116,13 +153,15 @@ class UpProcess:
 
 class FleetWatch:
     """Samples the live worker count from now on, in the background: when it fell short of
-    `count` and when it was whole again (the recovery time an operator sees)."""
+    `count` and when it was whole again (the recovery time an operator sees), and the fewest
+    workers joined and not draining at any sample (`fewest_joined`: how many were down at once)."""
 
     def __init__(self, up: UpProcess, count: int, interval_s: float = 0.2) -> None:
         self.up, self.count, self.interval_s = up, count, interval_s
         self.started = time.monotonic()
         self.short_at: float | None = None
         self.whole_at: float | None = None
+        self.fewest_joined = count
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -130,6 +169,7 @@ class FleetWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             live = len(self.up.live_workers())
+            self.fewest_joined = min(self.fewest_joined, len(self.up.joined_workers()))
             if live < self.count and self.short_at is None:
                 self.short_at = time.monotonic()
             elif live >= self.count and self.short_at is not None and self.whole_at is None:
