@@ -35,9 +35,9 @@ from gpu_worker.model.config import ModelConfig  # noqa: E402
 from gpu_worker.model.kv_cache import KVCache  # noqa: E402
 from gpu_worker.model.llama import LlamaModel  # noqa: E402
 from gpu_worker.model.metadata import AttentionMetadata  # noqa: E402
-from gpu_worker.ops import cuda  # noqa: E402
-from gpu_worker.ops.cuda_graphs import DecodeGraphRunner  # noqa: E402
-from gpu_worker.ops.quantized_linear import int8_per_channel  # noqa: E402
+from gpu_worker.ops.cuda import ops as cuda  # noqa: E402
+from gpu_worker.ops.weights.quantized_linear import int8_per_channel  # noqa: E402
+from gpu_worker.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16

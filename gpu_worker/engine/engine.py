@@ -91,7 +91,7 @@ class LLMEngine:
         Steps with a prefill, more sequences than the largest size, or a block table wider than
         the model's context run eagerly, so output never depends on whether a graph was used.
         """
-        from gpu_worker.ops.cuda_graphs import DecodeGraphRunner
+        from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 
         max_blocks = -(-self.context_length // self.config.block_size)
         sizes = [b for b in batch_sizes if b <= self.config.max_num_seqs]

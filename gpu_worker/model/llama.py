@@ -5,7 +5,7 @@ see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
 matmuls (cuBLAS on GPU; on CPU after `prepack_for_cpu`, oneDNN with prepacked fp32 weights,
 torch's weight-only int8 kernel, or int4 as GGUF Q4_1 blocks on a C kernel). Q/K/V and gate/up
 projections are fused into one GEMM each. On CPU the small ops and decode attention are C
-kernels (ops/cpu.py), and with int4 weights a step runs all layers in one C call.
+kernels (ops/cpu/layer_ops.py), and with int4 weights a step runs all layers in one C call.
 
 Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
 """
@@ -23,8 +23,10 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
-from gpu_worker.ops import cpu_step_layers, get_ops, packed_linear, quantized_linear
-from gpu_worker.ops.packed_linear import linear
+from gpu_worker.ops import get_ops
+from gpu_worker.ops.cpu import step_layers as cpu_step_layers
+from gpu_worker.ops.weights import packed_linear, quantized_linear
+from gpu_worker.ops.weights.packed_linear import linear
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
@@ -180,11 +182,11 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def prepack_for_cpu(self, quantization: str = "none") -> bool:
-        """Swap every GEMM weight for its CPU form: oneDNN-prepacked fp32/bf16 (ops/packed_linear.py)
-        or, with `quantization` int8/int4, a weight-only quantized one (ops/quantized_linear.py).
+        """Swap every GEMM weight for its CPU form: oneDNN-prepacked fp32/bf16 (ops/weights/packed_linear.py)
+        or, with `quantization` int8/int4, a weight-only quantized one (ops/weights/quantized_linear.py).
         The vocab head stays prepacked fp32 (bf16 logits would round near-ties together), except beside
         int4 on the block kernel: Q8_0 blocks with fp32 logits, as a GGUF file keeps it; then the
-        steps run every layer in one C call (ops/cpu_step_layers.py). The model
+        steps run every layer in one C call (ops/cpu/step_layers.py). The model
         is inference-only afterwards (no load_weights, no .to()). False where prepacking is unsupported."""
         if self.device.type != "cpu" or not packed_linear.available(self.dtype):
             return False
@@ -200,7 +202,7 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def quantize_for_cuda(self, quantization: str) -> None:
-        """Swap the layers' GEMM weights for a weight-only quantized CUDA form (ops/quantized_linear.py
+        """Swap the layers' GEMM weights for a weight-only quantized CUDA form (ops/weights/quantized_linear.py
         CUDA_FORMATS); the vocab head stays in the model dtype. Inference-only afterwards."""
         if quantization not in quantized_linear.CUDA_FORMATS:
             raise ValueError(f"quantization {quantization!r} has no CUDA form (have: "

@@ -11,12 +11,12 @@ import torch
 from gpu_worker.model import gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.ops import quantized_linear
+from gpu_worker.ops.weights import quantized_linear
 from llmserve import model_store
 
 logger = structlog.get_logger(__name__)
 
-# CPU compute dtype. With prepacked weights (ops/packed_linear.py) bf16 runs the engine ~1.3x faster
+# CPU compute dtype. With prepacked weights (ops/weights/packed_linear.py) bf16 runs the engine ~1.3x faster
 # than fp32 on an AVX512-BF16 EPYC, and its GEMM rows are bitwise batch-invariant too. But attention
 # over a chunked or recomputed prefill sums in another order than over decode steps; in bf16 that
 # difference (~1e-3) reaches the logits, and a preempted-and-recomputed or differently chunked
@@ -56,7 +56,7 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     """Build the model for `spec` (alias like "smollm2-135m", a .gguf path, or an HF directory).
 
     prepack: on CPU, put GEMM weights in oneDNN's blocked layout (LlamaModel.prepack_for_cpu).
-    quantization: weight format of the layers' GEMMs, "none" or a key of ops/quantized_linear.FORMATS
+    quantization: weight format of the layers' GEMMs, "none" or a key of ops/weights/quantized_linear.FORMATS
     (on CPU, with prepack) or of CUDA_FORMATS (on CUDA); "auto" picks one (quantized_linear.default_format).
     """
     start = time.monotonic()

@@ -12,11 +12,11 @@ from types import ModuleType
 
 import torch
 
-_BACKENDS = {"cpu": "gpu_worker.ops.cpu", "cuda": "gpu_worker.ops.cuda"}
+_BACKENDS = {"cpu": "gpu_worker.ops.cpu.layer_ops", "cuda": "gpu_worker.ops.cuda.ops"}
 
 
 def get_ops(device: str | torch.device) -> ModuleType:
-    """The ops module for a device: "cpu" → the reference with C kernels (ops/cpu.py), "cuda"/"cuda:N" →
+    """The ops module for a device: "cpu" → the reference with C kernels (ops/cpu/layer_ops.py), "cuda"/"cuda:N" →
     CuPy kernels (lazy import)."""
     kind = torch.device(device).type
     if kind not in _BACKENDS:

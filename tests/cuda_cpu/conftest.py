@@ -8,7 +8,7 @@ import os
 import cpu_backend as cb
 import pytest
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import ops as cuda
 
 EXECUTED: set[str] = set()  # kernel variants launched in this session (reported at the end)
 
@@ -24,7 +24,7 @@ def built() -> None:
 
 @pytest.fixture
 def launch_with(built):
-    """launch_with(order, seed) -> a context manager routing gpu_worker.ops.cuda through a CPU launcher."""
+    """launch_with(order, seed) -> a context manager routing gpu_worker.ops.cuda.ops through a CPU launcher."""
     launchers = []
 
     def make(order: cb.Order = cb.Order.FORWARD, seed: int = 0, **kwargs):

@@ -1,6 +1,6 @@
-"""Run gpu_worker/kernels/*.cu on the CPU: g++ builds the unchanged sources against cuda_shim.h into a
+"""Run gpu_worker/ops/cuda/*.cu on the CPU: g++ builds the unchanged sources against cuda_shim.h into a
 shared object (cached by source hash), ctypes calls it, and `CpuLauncher` plugs it into
-gpu_worker.ops.cuda as the launcher, so the ops' own planning, grids and argument packing run.
+gpu_worker.ops.cuda.ops as the launcher, so the ops' own planning, grids and argument packing run.
 
     with cuda.use_launcher(CpuLauncher(order=Order.RANDOM)):
         out = cuda.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)   # CPU tensors
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import ops as cuda
 
 SHIM = Path(__file__).resolve().parent / "cuda_shim.h"
 CXX = shutil.which(os.environ.get("CXX", "g++"))
@@ -237,7 +237,7 @@ def build_all(kernel_dir: Path, variants: dict[str, list[str]], jobs: int = 2) -
 
 
 class CpuLauncher:
-    """gpu_worker.ops.cuda's launcher seam, executing on the CPU with CPU tensors.
+    """gpu_worker.ops.cuda.ops's launcher seam, executing on the CPU with CPU tensors.
 
     Args:
         order: block and thread order of every launch (a race shows as a different result).

@@ -27,7 +27,7 @@ cb.CpuLauncher(kernel_dir=cb.Path(HERE), variants={"probe_kernels.cu": ["probe::
 DECODE_OOB = """
 import torch
 import cpu_backend as cb
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import ops as cuda
 from kernel_cases import paged_batch
 q, kc, vc, tables, ctx = paged_batch([40], 4, 1, 64, torch.float16)
 tables[0, 1] = kc.shape[0]  # one block past the cache

@@ -1,4 +1,4 @@
-"""Every CUDA kernel, executed on the CPU through gpu_worker.ops.cuda (its planning, split-K, grids and
+"""Every CUDA kernel, executed on the CPU through gpu_worker.ops.cuda.ops (its planning, split-K, grids and
 argument packing), against the torch reference ops: tests/gpu/test_kernels_gpu.py on smaller shapes.
 
 Outputs and shared memory start as NaN, so an element nobody wrote shows; each case also runs with
@@ -19,7 +19,8 @@ from kernel_cases import (
     same_bits_in_every_order,
 )
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import ops as cuda
 
 # ------------------------------------------------------------------ paged decode attention
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from kernel_cases import ORDERS, TOL, bits, fp32_oracle, paged_batch, rand
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import ops as cuda
 
 DTYPE = torch.bfloat16
 HEAD_DIM = 64
@@ -46,10 +47,10 @@ MUTANTS = [
 
 
 def mutant_dir(name: str, file: str | None, old: str, new: str) -> Path:
-    """A copy of gpu_worker/kernels with one edit, at a stable path (so its build is cached)."""
+    """A copy of gpu_worker/ops/cuda with one edit, at a stable path (so its build is cached)."""
     root = cb.cache_dir() / "mutants" / name.replace(" ", "_").replace("/", "_")
     root.mkdir(parents=True, exist_ok=True)
-    for src in cuda.KERNEL_DIR.iterdir():
+    for src in sorted({*cuda.KERNEL_DIR.glob("*.cu"), *cuda.KERNEL_DIR.glob("*.cuh")}):  # the kernels, not ops.py
         text = src.read_text()
         if src.name == file:
             assert text.count(old) == 1, f"mutation site of {name!r} not found once in {file}"

@@ -12,7 +12,8 @@ import pytest
 import torch
 from kernel_cases import ORDERS, TOL, bits, rand
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import ops as cuda
 
 HERE = Path(__file__).resolve().parent
 PROBES = [f"probe::{name}" for name in (

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import ops as cuda
 
 REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU run: {REASON}")]

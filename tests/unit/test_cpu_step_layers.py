@@ -1,4 +1,4 @@
-"""All layers of a CPU step in one C call (ops/cpu_step_layers.py) against the Python path over
+"""All layers of a CPU step in one C call (ops/cpu/step_layers.py) against the Python path over
 the same kernels: the same logits, bit for bit, and the models it leaves alone."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.ops import cpu_block_linear, cpu_step_layers
+from gpu_worker.ops.cpu import block_linear as cpu_block_linear
+from gpu_worker.ops.cpu import step_layers as cpu_step_layers
 
 pytestmark = pytest.mark.skipif(cpu_step_layers.library() is None,
                                 reason="no C compiler (or no AVX2) to build the CPU kernels")

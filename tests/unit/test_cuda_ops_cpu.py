@@ -11,7 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import ops as cuda
 
 
 @pytest.mark.parametrize(
@@ -107,7 +108,7 @@ def test_gather_context_orders_blocks_by_table():
 
 def test_static_decode_inputs_pad_rows_write_nothing_and_read_nothing():
     from gpu_worker.model.metadata import AttentionMetadata
-    from gpu_worker.ops.cuda_graphs import _StaticDecodeInputs
+    from gpu_worker.runner.cuda_graphs import _StaticDecodeInputs
 
     static = _StaticDecodeInputs(batch=4, max_blocks=6, device=torch.device("cpu"))
     i32 = dict(dtype=torch.int32)
@@ -148,7 +149,7 @@ def test_decode_graphs_stay_off_where_attention_falls_back_to_the_reference(head
     cache runs every step eagerly (and capture() touches no CUDA API)."""
     from types import SimpleNamespace
 
-    from gpu_worker.ops.cuda_graphs import DecodeGraphRunner
+    from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 
     cache = SimpleNamespace(k_caches=[torch.zeros(4, block_size, 2, head_dim, dtype=torch.float16)])
     calls = []

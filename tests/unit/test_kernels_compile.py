@@ -1,6 +1,6 @@
-"""Every gpu_worker/kernels/*.cu compiles with nvcc for sm_80 and sm_90 (no GPU needed).
+"""Every gpu_worker/ops/cuda/*.cu compiles with nvcc for sm_80 and sm_90 (no GPU needed).
 
-The variants built are the ones `gpu_worker.ops.cuda.hot_name_expressions()` lists (at run time
+The variants built are the ones `gpu_worker.ops.cuda.ops.hot_name_expressions()` lists (at run time
 NVRTC builds whichever a call needs). ptxas' register / spill / shared-memory report is printed
 per kernel; the hot kernels must not spill. Skipped, with the reason shown, when nvcc is missing.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import ops as cuda
 
 ARCHS = ("sm_80", "sm_90")
 

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import ops as cuda
 
 
 def _find_libnvrtc() -> str | None:

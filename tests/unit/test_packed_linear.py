@@ -10,7 +10,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import packed_linear
+from gpu_worker.ops.weights import packed_linear
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="torch build without oneDNN prepacking")
 

@@ -8,8 +8,8 @@ import torch
 from gpu_worker import ops as ops_pkg
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
-from gpu_worker.ops import cpu as cpu_ops
 from gpu_worker.ops import reference as ref
+from gpu_worker.ops.cpu import layer_ops as cpu_ops
 
 BLOCK = 16
 HQ, HK, D = 6, 2, 32

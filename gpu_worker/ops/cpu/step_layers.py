@@ -1,10 +1,10 @@
-"""ctypes binding of cpu_step_layers.c: every decoder layer of a CPU step in one call.
+"""ctypes binding of step_layers.c: every decoder layer of a CPU step in one call.
 
 `StepLayers.build(model)` is what LlamaModel.prepack_for_cpu keeps where this applies: an fp32
 model whose layers' four GEMM weights are all Q4_1 blocks (int4 on the block kernel, the CPU
 default), without a QKV bias. `takes(...)` says whether a step can run here (an fp32 KV cache):
 decodes, prefill chunks and both together. The C file calls the same kernels the Python path
-(llama.py over ops/cpu.py) calls, so both give the same bits for a token. A prefill step of
+(llama.py over ops/cpu/layer_ops.py) calls, so both give the same bits for a token. A prefill step of
 SmolLM2 int4 in-process took 12.5 ms here against 24 on the Python path for 3 tokens, 21 against
 34 for 7 (the rest of a prompt from the prefix cache), 94 against 124 for 40, 313 against 349 for
 128 (medians of 5).
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cpu_attention, cpu_block_linear, cpu_kernels
-from gpu_worker.ops.quantized_linear import Q4_1Weight
+from gpu_worker.ops.cpu import block_linear, build, paged_attention
+from gpu_worker.ops.weights.quantized_linear import Q4_1Weight
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGS = [_I] * 7 + [_P] * 12 + [_I, _P, _I, _P, _I, _F, _F, _I]
@@ -31,8 +31,8 @@ NORMS = ("input_norm", "post_norm")
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
-    return cpu_kernels.bind("cpu_step_layers", {"step_layers_q4_1_f32": (_ARGS, ctypes.c_int)})
+    """The compiled kernel (ops/cpu/build.py), built on first use; None where it cannot be built."""
+    return build.bind("step_layers", {"step_layers_q4_1_f32": (_ARGS, ctypes.c_int)})
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -79,7 +79,7 @@ class StepLayers:
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         tables, lens = _token_queries(meta)
         out, residual = torch.empty_like(h), torch.empty_like(h)
-        with cpu_kernels.traced("cpu_step_layers"):
+        with build.traced("cpu_step_layers"):
             rc = library().step_layers_q4_1_f32(
                 self.num_layers, h.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 c.intermediate_size, h.data_ptr(), out.data_ptr(), residual.data_ptr(),
@@ -87,7 +87,7 @@ class StepLayers:
                 _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
                 positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],
-                c.head_dim**-0.5, c.rms_norm_eps, cpu_block_linear.threads_for(h.shape[0]),
+                c.head_dim**-0.5, c.rms_norm_eps, block_linear.threads_for(h.shape[0]),
             )
         if rc != 0:
             raise MemoryError("cpu step layers: no memory for the step's scratch")
@@ -99,7 +99,7 @@ def _token_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]
     the context each sees [T], both int32 (a prefill token sees its sequence up to itself)."""
     tables, lens = meta.decode_block_tables.to(torch.int32), meta.decode_context_lens.to(torch.int32)
     if meta.num_prefills:
-        prefill_tables, prefill_lens = cpu_attention.prefill_token_queries(
+        prefill_tables, prefill_lens = paged_attention.prefill_token_queries(
             meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
         width = max(tables.shape[1], prefill_tables.shape[1])
         tables = torch.cat([F.pad(prefill_tables.to(torch.int32), (0, width - prefill_tables.shape[1])),

@@ -2,8 +2,8 @@
 
 A decode step of one sequence spends more time dispatching small torch ops than computing them
 (about 40 dispatches per layer for two norms, the rotary embedding and the cache write). Here each,
-and silu_and_mul, is one ctypes call into cpu_layer_ops.c, and paged attention (decode and
-prefill) reads the cache in place (cpu_attention.py). Same contract as `reference` (see
+and silu_and_mul, is one ctypes call into layer_ops.c, and paged attention (decode and
+prefill) reads the cache in place (paged_attention.py). Same contract as `reference` (see
 gpu_worker/ops/__init__.py); where a C kernel cannot be built, or a tensor is not fp32 with
 contiguous heads, the reference op runs.
 """
@@ -15,8 +15,9 @@ import functools
 
 import torch
 
-from gpu_worker.ops import cpu_kernels, reference
-from gpu_worker.ops.cpu_attention import paged_decode_attention, paged_prefill_attention
+from gpu_worker.ops import reference
+from gpu_worker.ops.cpu import build
+from gpu_worker.ops.cpu.paged_attention import paged_decode_attention, paged_prefill_attention
 
 __all__ = ["fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
            "rotary_embedding", "silu_and_mul", "write_kv_cache"]
@@ -32,8 +33,8 @@ _SIGNATURES = {
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels (ops/cpu_kernels.py), built on first use; None where they cannot be built."""
-    return cpu_kernels.bind("cpu_layer_ops", _SIGNATURES)
+    """The compiled kernels (ops/cpu/build.py), built on first use; None where they cannot be built."""
+    return build.bind("layer_ops", _SIGNATURES)
 
 
 def _rows(*tensors: torch.Tensor) -> bool:

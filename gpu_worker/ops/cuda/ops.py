@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parent  # the .cu files beside this module
 NVRTC_OPTIONS = ("--std=c++17",)
 # C++ element type per torch dtype (common.cuh: 16-bit types are storage structs, no CUDA headers)
 CTYPE = {torch.float16: "llmserve::f16", torch.bfloat16: "llmserve::bf16", torch.float32: "float"}

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import ops as cuda
 
 
 def eager_only_reason(kv_cache) -> str | None:
