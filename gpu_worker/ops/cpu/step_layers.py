@@ -1,13 +1,7 @@
-"""ctypes binding of step_layers.c: every decoder layer of a CPU step in one call.
+"""ctypes binding of step_layers.c: every decoder layer of a CPU step in one call (Q4_1 weights, fp32).
 
-`StepLayers.build(model)` is what LlamaModel.prepack_for_cpu keeps where this applies: an fp32
-model whose layers' four GEMM weights are all Q4_1 blocks (int4 on the block kernel, the CPU
-default), without a QKV bias. `takes(...)` says whether a step can run here (an fp32 KV cache):
-decodes, prefill chunks and both together. The C file calls the same kernels the Python path
-(llama.py over ops/cpu/layer_ops.py) calls, so both give the same bits for a token. A prefill step of
-SmolLM2 int4 in-process took 12.5 ms here against 24 on the Python path for 3 tokens, 21 against
-34 for 7 (the rest of a prompt from the prefix cache), 94 against 124 for 40, 313 against 349 for
-128 (medians of 5).
+The runner builds the arguments from a prepared model and a step's metadata
+(gpu_worker/runner/cpu_step_layers.py); see the C file for what it computes.
 """
 
 from __future__ import annotations
@@ -15,94 +9,16 @@ from __future__ import annotations
 import ctypes
 import functools
 
-import torch
-import torch.nn.functional as F
-
-from gpu_worker.model.kv_cache import KVCache
-from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops.cpu import block_linear, build, paged_attention
-from gpu_worker.ops.weights.quantized_linear import Q4_1Weight
+from gpu_worker.ops.cpu import build
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# dims (layers, tokens, hidden, heads, kv heads, head_dim, intermediate), 12 pointers (h, out, residual,
+# weights, scales, offsets, norms, k and v caches, positions, slots, cos_sin), interleaved, tables, table
+# width, context lengths, block size, scale, eps, threads
 _ARGS = [_I] * 7 + [_P] * 12 + [_I, _P, _I, _P, _I, _F, _F, _I]
-GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # the C file's order
-NORMS = ("input_norm", "post_norm")
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel (ops/cpu/build.py), built on first use; None where it cannot be built."""
     return build.bind("step_layers", {"step_layers_q4_1_f32": (_ARGS, ctypes.c_int)})
-
-
-def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-
-
-class StepLayers:
-    """The layers of one prepacked model as the C file takes them: pointers to its weights, which
-    stay where they are from now on (a prepacked model is inference-only; `_tensors` keeps them alive)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.config = model.config
-        self.num_layers = len(model.layers)
-        weights = [getattr(layer, name) for layer in model.layers for name in GEMMS]
-        norms = [getattr(layer, name) for layer in model.layers for name in NORMS]
-        self._cos_sin = model.cos_sin.contiguous()
-        self._tensors = [self._cos_sin, *norms, *(t for w in weights for t in (w.codes, w.scales, w.offsets))]
-        self._weights = _pointers([w.codes for w in weights])
-        self._scales = _pointers([w.scales for w in weights])
-        self._offsets = _pointers([w.offsets for w in weights])
-        self._norms = _pointers(norms)
-
-    @classmethod
-    def build(cls, model: torch.nn.Module) -> StepLayers | None:
-        """The model's layers for the C file, or None where it does not apply to this model."""
-        layers = model.layers
-        applies = (
-            model.dtype == torch.float32 and library() is not None
-            and all(layer.qkv_bias is None for layer in layers)
-            and all(isinstance(getattr(layer, name), Q4_1Weight) for layer in layers for name in GEMMS)
-        )
-        return cls(model) if applies else None
-
-    def takes(self, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
-        """Whether this step can run here: int64 positions and slots, an fp32 cache."""
-        return (positions.dtype == torch.int64 and meta.slot_mapping.dtype == torch.int64
-                and kv_cache.dtype == torch.float32)
-
-    def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: [T, H] embeddings of the step's tokens -> (last layer's output [T, H], its residual [T, H])."""
-        c = self.config
-        h = h.contiguous()
-        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
-        tables, lens = _token_queries(meta)
-        out, residual = torch.empty_like(h), torch.empty_like(h)
-        with build.traced("cpu_step_layers"):
-            rc = library().step_layers_q4_1_f32(
-                self.num_layers, h.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
-                c.intermediate_size, h.data_ptr(), out.data_ptr(), residual.data_ptr(),
-                self._weights, self._scales, self._offsets, self._norms,
-                _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
-                positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
-                tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],
-                c.head_dim**-0.5, c.rms_norm_eps, block_linear.threads_for(h.shape[0]),
-            )
-        if rc != 0:
-            raise MemoryError("cpu step layers: no memory for the step's scratch")
-        return out, residual
-
-
-def _token_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every token of the step as one query, prefill tokens first: block tables [T, max_blocks] and
-    the context each sees [T], both int32 (a prefill token sees its sequence up to itself)."""
-    tables, lens = meta.decode_block_tables.to(torch.int32), meta.decode_context_lens.to(torch.int32)
-    if meta.num_prefills:
-        prefill_tables, prefill_lens = paged_attention.prefill_token_queries(
-            meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
-        width = max(tables.shape[1], prefill_tables.shape[1])
-        tables = torch.cat([F.pad(prefill_tables.to(torch.int32), (0, width - prefill_tables.shape[1])),
-                            F.pad(tables, (0, width - tables.shape[1]))])
-        lens = torch.cat([prefill_lens.to(torch.int32), lens])
-    return tables.contiguous(), lens.contiguous()

@@ -1,6 +1,6 @@
-"""CUDA backend of the ops contract: CuPy RawKernels (NVRTC) run on torch tensors.
+"""The CUDA backend's ops: CuPy RawKernels (NVRTC, the .cu files beside this module) run on torch tensors.
 
-Same signatures and semantics as `reference.py` (contract: the module docstring there). Tensors
+Same signatures and semantics as `reference.py` (contract: gpu_worker/ops/backend.py). Tensors
 cross into CuPy through DLPack without copies, and every kernel is launched on torch's current
 stream, so a decode step built from these ops can be captured in a CUDA graph (no host syncs on
 the decode path: launch plans depend only on tensor shapes).
@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from gpu_worker.ops import reference
 
 KERNEL_DIR = Path(__file__).resolve().parent  # the .cu files beside this module
 NVRTC_OPTIONS = ("--std=c++17",)
@@ -407,8 +409,6 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if not decode_kernel_supports(head_dim, block_size, q.dtype) or k_cache.dtype != q.dtype:
-        from gpu_worker.ops import reference
-
         return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "KV cache must be contiguous"
     assert _aligned16(k_cache) and _aligned16(v_cache), "KV cache must be 16-byte aligned"
@@ -478,10 +478,5 @@ def paged_prefill_attention(
     q: [T, Hq, D], block_tables: [S, max_blocks] int32, query_start_loc: [S + 1] int32,
     context_lens: [S] int32 -> [T, Hq, D]. Not graph-captured: it reads the lengths on the host.
     """
-    out = torch.empty_like(q)
-    starts, lens = query_start_loc.tolist(), context_lens.tolist()
-    for i, context_len in enumerate(lens):
-        lo, hi = starts[i], starts[i + 1]
-        if hi > lo:
-            out[lo:hi] = _prefill_one(q[lo:hi], k_cache, v_cache, block_tables[i], context_len, scale)
-    return out
+    return reference.prefill_each_sequence(_prefill_one, q, k_cache, v_cache, block_tables, query_start_loc,
+                                           context_lens, scale)
