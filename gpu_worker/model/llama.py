@@ -26,7 +26,7 @@ from gpu_worker.ops import get_backend
 from gpu_worker.ops.backend import Backend, LinearWeight
 from gpu_worker.ops.weights.packed_linear import linear
 
-GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a layer's GEMM weights
+GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a layer's GEMM weights, in step_layers.c's order
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
