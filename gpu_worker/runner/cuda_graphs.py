@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops.cuda import ops as cuda
+from gpu_worker.ops.cuda import kernels
 
 
 def eager_only_reason(kv_cache) -> str | None:
@@ -30,7 +30,7 @@ def eager_only_reason(kv_cache) -> str | None:
     context lengths on the host, and a host sync inside capture fails."""
     _, block_size, _, head_dim = kv_cache.k_caches[0].shape
     dtype = kv_cache.k_caches[0].dtype
-    if cuda.decode_kernel_supports(head_dim, block_size, dtype):
+    if kernels.decode_kernel_supports(head_dim, block_size, dtype):
         return None
     return f"no decode kernel for head_dim {head_dim}, block_size {block_size}, {dtype}"
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.ops.cuda import ops as cuda
+from gpu_worker.ops.cuda import kernels
 
 SHIM = Path(__file__).resolve().parent / "cuda_shim.h"
 CXX = shutil.which(os.environ.get("CXX", "g++"))
@@ -129,7 +129,7 @@ def translation_unit(source_path: Path, expressions: list[str]) -> str:
 
 def _build_key(source_path: Path, expressions: list[str], flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for path in sorted({source_path, SHIM, *source_path.parent.glob("*.cuh"), *cuda.KERNEL_DIR.glob("*.cuh")}):
+    for path in sorted({source_path, SHIM, *source_path.parent.glob("*.cuh"), *kernels.KERNEL_DIR.glob("*.cuh")}):
         h.update(str(path).encode() + b"\0" + path.read_bytes())
     h.update("\0".join([*expressions, *flags, CXX or ""]).encode())
     return h.hexdigest()[:24]
@@ -146,7 +146,7 @@ def build(source_path: Path, expressions: list[str]) -> Path:
         tu.write_text(translation_unit(source_path, expressions))
         obj = Path(tmp) / "kernels.o"
         # compiled with -fsanitize=alignment but linked without the UBSan runtime: cuda_shim.h is its handler
-        _run([CXX, *BASE_FLAGS, *flags, f"-I{SHIM.parent}", f"-I{cuda.KERNEL_DIR}", "-c", str(tu), "-o", str(obj)])
+        _run([CXX, *BASE_FLAGS, *flags, f"-I{SHIM.parent}", f"-I{kernels.KERNEL_DIR}", "-c", str(tu), "-o", str(obj)])
         link_asan = ["-fsanitize=address"] if "-fsanitize=address,alignment" in flags else []
         _run([CXX, "-shared", *link_asan, str(obj), "-o", str(Path(tmp) / "k.so")])
         os.replace(Path(tmp) / "k.so", target)
@@ -248,10 +248,10 @@ class CpuLauncher:
     Output buffers the ops allocate through `empty` start as NaN, so a read of an unwritten element shows.
     """
 
-    def __init__(self, order: Order = Order.FORWARD, seed: int = 0, kernel_dir: Path = cuda.KERNEL_DIR,
+    def __init__(self, order: Order = Order.FORWARD, seed: int = 0, kernel_dir: Path = kernels.KERNEL_DIR,
                  variants: dict[str, list[str]] | None = None) -> None:
         self.order, self.seed, self.kernel_dir = order, seed, kernel_dir
-        self.variants = variants if variants is not None else cuda.launchable_kernels()
+        self.variants = variants if variants is not None else kernels.launchable_kernels()
         self._groups = {name: names for names in variant_groups(self.variants).values() for name in names}
         self.launched: list[str] = []
 
