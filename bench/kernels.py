@@ -35,9 +35,10 @@ from gpu_worker.model.config import ModelConfig  # noqa: E402
 from gpu_worker.model.kv_cache import KVCache  # noqa: E402
 from gpu_worker.model.llama import LlamaModel  # noqa: E402
 from gpu_worker.model.metadata import AttentionMetadata  # noqa: E402
-from gpu_worker.ops import cuda  # noqa: E402
-from gpu_worker.ops.cuda_graphs import DecodeGraphRunner  # noqa: E402
-from gpu_worker.ops.quantized_linear import int8_per_channel  # noqa: E402
+from gpu_worker.ops.cuda import kernels  # noqa: E402
+from gpu_worker.ops.cuda import ops as cuda  # noqa: E402
+from gpu_worker.ops.weights.quantized_linear import int8_per_channel  # noqa: E402
+from gpu_worker.runner.cuda_graphs import DecodeGraphRunner  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -119,7 +120,7 @@ def bench_attention(batch: int, context: int, copy_bw: float) -> dict:
     out_sdpa = F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True).squeeze(2).float()
     max_err = float((out_ours - out_sdpa).abs().max())
     nbytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2 + q.numel() * 2
-    plan = cuda.plan_decode(HEADS // KV_HEADS, tables.shape[1], BLOCK)
+    plan = kernels.plan_decode(HEADS // KV_HEADS, tables.shape[1], BLOCK)
     torch.cuda.empty_cache()
     gbps = nbytes / ours / 1e9
     return {"batch": batch, "context": context, "bytes": nbytes, "ours_us": ours * 1e6, "sdpa_us": sdpa * 1e6,

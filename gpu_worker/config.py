@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from llmserve.settings import CommonSettings, require, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_FORMATS = ("none", "int8", "int4")  # CPU weight formats: gpu_worker/ops/quantized_linear.py
+WEIGHT_FORMATS = ("none", "int8", "int4")  # CPU weight formats: gpu_worker/ops/weights/quantized_linear.py
 QUANTIZATIONS = ("auto", *WEIGHT_FORMATS)  # --quantization
 
 

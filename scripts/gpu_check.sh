@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issues 7, 14, 15): GPU tests, the same kernels executed on the CPU (tests/cuda_cpu,
 # so both runs are of one commit), then the kernel benchmark; everything under $OUT. Every .cu file in
-# gpu_worker/kernels/ is covered by all three, the weight-only int8 decode GEMV (int8_gemv.cu) included:
+# gpu_worker/ops/cuda/ is covered by all three, the weight-only int8 decode GEMV (int8_gemv.cu) included:
 # tests/gpu/test_kernels_gpu.py::test_int8_linear*, test_engine_gpu.py::test_int8_weights_*, and the
 # int8-vs-bf16-cuBLAS section of bench/kernels.py.
 # Installs nothing and needs no network. Run from the repo root on a machine with one GPU:

@@ -14,11 +14,13 @@ import torch
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.constraint import ConstraintError, Constraints
-from gpu_worker.engine.metadata_builder import build_model_input
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, Failure, SamplingParams, Sequence
 from gpu_worker.model.kv_cache import KVCache
+from gpu_worker.model.llama import LlamaModel
+from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
+from gpu_worker.runner.model_runner import ModelRunner
 
 logger = structlog.get_logger(__name__)
 
@@ -54,19 +56,20 @@ class LLMEngine:
     """Continuous-batching generation over a paged KV cache.
 
     Args:
-        model: forward(input_ids [T], positions [T], meta, kv_cache) -> logits [num_seqs, vocab].
+        model: forward(input_ids [T], positions [T], meta, kv_cache) -> logits [num_seqs, vocab]; the
+            runner (gpu_worker/runner/model_runner.py) runs it.
         kv_cache: the paged cache the model reads and writes.
         config: cache geometry and batch limits.
         constraints: the model's grammar store, for sequences with a grammar (None: refused).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, config: EngineConfig,
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, config: EngineConfig,
                  constraints: Constraints | None = None) -> None:
         assert kv_cache.num_blocks == config.num_blocks and kv_cache.block_size == config.block_size
         self.model = model
         self.kv_cache = kv_cache
         self.config = config
-        self.device = kv_cache.k_caches[0].device
+        self.runner = ModelRunner(model, kv_cache)
         self.context_length: int = model.config.context_length
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
@@ -74,10 +77,9 @@ class LLMEngine:
         self.constraints = constraints
         self.sampler = Sampler(constraints)
         self.counters = EngineCounters()
-        self.decode_graphs = None  # a DecodeGraphRunner once capture_decode_graphs() ran (CUDA only)
 
     @classmethod
-    def create(cls, model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype | None = None,
+    def create(cls, model: LlamaModel, config: EngineConfig, dtype: torch.dtype | None = None,
                constraints: Constraints | None = None) -> LLMEngine:
         """Allocate the KV cache for `model` and build the engine."""
         param = next(model.parameters())
@@ -91,13 +93,13 @@ class LLMEngine:
         Steps with a prefill, more sequences than the largest size, or a block table wider than
         the model's context run eagerly, so output never depends on whether a graph was used.
         """
-        from gpu_worker.ops.cuda_graphs import DecodeGraphRunner
-
         max_blocks = -(-self.context_length // self.config.block_size)
-        sizes = [b for b in batch_sizes if b <= self.config.max_num_seqs]
-        runner = DecodeGraphRunner(self.model, self.kv_cache, sizes, max_blocks)
-        runner.capture()
-        self.decode_graphs = runner
+        self.runner.capture_decode_graphs([b for b in batch_sizes if b <= self.config.max_num_seqs], max_blocks)
+
+    @property
+    def decode_graphs(self) -> DecodeGraphRunner | None:
+        """The captured graphs once capture_decode_graphs() ran (CUDA only), else None."""
+        return self.runner.decode_graphs
 
     # --- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> StepOutput | None:
@@ -155,14 +157,8 @@ class LLMEngine:
         return outputs
 
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
-        for src, dst in plan.copy_on_write:
-            for cache in (*self.kv_cache.k_caches, *self.kv_cache.v_caches):
-                cache[dst].copy_(cache[src])
-        inp = build_model_input(plan.scheduled, self.block_manager, self.device)
-        plan.scheduled = inp.batch                                    # rows of the logits
-        if self.decode_graphs is not None:
-            return self.decode_graphs.run(inp.input_ids, inp.positions, inp.meta)
-        return self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
+        plan.scheduled, logits = self.runner.execute(plan.scheduled, self.block_manager, plan.copy_on_write)
+        return logits                                                 # rows in plan.scheduled's order
 
     def _advance(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         to_sample: list[tuple[int, Sequence]] = []

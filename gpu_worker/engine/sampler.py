@@ -1,7 +1,7 @@
 """Next-token choice for every sequence of a batch, each with its own parameters.
 
 Randomness is a pure function of (seed, position of the token in the context): each
-draw is torch.rand's stream after `manual_seed` of both (drawn in C, ops/cpu_uniform.py),
+draw is torch.rand's stream after `manual_seed` of both (drawn in C, ops/cpu/uniform.py),
 so a request yields the same tokens whatever else shares its batch, on any worker, and
 after a preemption or a handoff to another worker (which continues at the same position).
 """
@@ -15,7 +15,7 @@ import torch
 
 from gpu_worker.engine.constraint import Constraints
 from gpu_worker.engine.sequence import Sequence
-from gpu_worker.ops import cpu_uniform
+from gpu_worker.ops.cpu import uniform as cpu_uniform
 
 _MASK64 = (1 << 64) - 1
 

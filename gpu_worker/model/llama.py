@@ -1,11 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
 One forward runs every sequence of a step at once (prefill chunks then decodes,
-see metadata.py). Every hot op goes through `get_ops(device)`; GEMMs are torch
-matmuls (cuBLAS on GPU; on CPU after `prepack_for_cpu`, oneDNN with prepacked fp32 weights,
-torch's weight-only int8 kernel, or int4 as GGUF Q4_1 blocks on a C kernel). Q/K/V and gate/up
-projections are fused into one GEMM each. On CPU the small ops and decode attention are C
-kernels (ops/cpu.py), and with int4 weights a step runs all layers in one C call.
+see metadata.py). Every op but the GEMMs goes through the device's backend
+(`get_backend(device)`, gpu_worker/ops/backend.py); a GEMM is `linear(x, weight)` on whatever
+form the backend put the weight in (`Backend.prepare_weights`: prepacked, quantized or plain).
+Q/K/V and gate/up projections are fused into one GEMM each.
 
 Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
 """
@@ -13,7 +12,7 @@ Weights arrive with Hugging Face names (`load_weights`), whatever the file forma
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -23,22 +22,18 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
-from gpu_worker.ops import cpu_step_layers, get_ops, packed_linear, quantized_linear
-from gpu_worker.ops.packed_linear import linear
+from gpu_worker.ops import get_backend
+from gpu_worker.ops.backend import Backend, LinearWeight
+from gpu_worker.ops.weights.packed_linear import linear
+
+GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a layer's GEMM weights, in step_layers.c's order
 
 
 def _param(*shape: int, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
-def _cpu_weight(weight: torch.Tensor, quantization: str) -> nn.Module | nn.Parameter:
-    """A plain [N, K] weight -> its CPU GEMM form: prepacked ("none") or quantized."""
-    if quantization == "none":
-        return nn.Parameter(packed_linear.pack(weight), requires_grad=False)
-    return quantized_linear.quantize(weight, quantization)
-
-
-def _replace(module: nn.Module, name: str, value: nn.Module | nn.Parameter) -> None:
+def _replace(module: nn.Module, name: str, value: LinearWeight) -> None:
     """Set attribute `name` of `module`, which may change from a parameter to a submodule."""
     if name in module._parameters:
         del module._parameters[name]
@@ -59,7 +54,8 @@ class LlamaDecoderLayer(nn.Module):
         self.down_weight = _param(c.hidden_size, c.intermediate_size, **kw)  # [H, I]
         self.config = config
 
-    def attention(self, ops, positions, h, meta: AttentionMetadata, k_cache, v_cache, cos_sin) -> torch.Tensor:
+    def attention(self, ops: Backend, positions, h, meta: AttentionMetadata, k_cache, v_cache,
+                  cos_sin) -> torch.Tensor:
         """h: [T, H] (normed) -> attention output projected back to [T, H]."""
         c = self.config
         qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hk) * D]
@@ -83,7 +79,7 @@ class LlamaDecoderLayer(nn.Module):
             )
         return linear(out.view(-1, c.q_size), self.o_weight)  # [T, H]
 
-    def forward(self, ops, positions, h, residual, meta, k_cache, v_cache, cos_sin):
+    def forward(self, ops: Backend, positions, h, residual, meta, k_cache, v_cache, cos_sin):
         """h: [T, H] output of the previous layer, residual: [T, H] or None -> (h [T, H], residual [T, H])."""
         eps = self.config.rms_norm_eps
         if residual is None:
@@ -118,6 +114,8 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], meta, kv_cache) -> logits [num_seqs, vocab] float32."""
 
+    cos_sin: torch.Tensor  # [context_length, D] fp32 buffer: cos | sin of every position
+
     def __init__(
         self,
         config: ModelConfig,
@@ -125,8 +123,8 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         lm_head_dtype: torch.dtype | None = None,
     ) -> None:
-        """lm_head_dtype: dtype of the vocab projection; default fp32 on CPU (bf16 logits round
-        near-ties together and flip greedy choices), the compute dtype on GPU (as vLLM does)."""
+        """lm_head_dtype: dtype of the vocab projection; default the backend's choice
+        (Backend.logits_dtype: fp32 on CPU, the compute dtype on GPU)."""
         super().__init__()
         c = config
         self.config = config
@@ -135,7 +133,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, device, dtype) for _ in range(c.num_layers))
         self.norm = _param(c.hidden_size, **kw)  # [H]
         if lm_head_dtype is None:
-            lm_head_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
+            lm_head_dtype = get_backend(device).logits_dtype(dtype)
         # tied and same dtype: share the tensor; otherwise a separate parameter (filled from the embedding)
         self.lm_head_dtype = lm_head_dtype
         self.share_lm_head = c.tie_word_embeddings and lm_head_dtype == dtype
@@ -144,7 +142,6 @@ class LlamaModel(nn.Module):
         )
         # [context_length, D] fp32 cos | sin; a buffer so .to(device) moves it along
         self.register_buffer("cos_sin", cos_sin_table(c, c.context_length, device), persistent=False)
-        self.cpu_layers: cpu_step_layers.StepLayers | None = None  # set by prepack_for_cpu where it applies
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,52 +160,45 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         kv_cache: KVCache,
     ) -> torch.Tensor:  # [num_seqs, vocab] float32
-        ops = get_ops(input_ids.device)
-        h = F.embedding(input_ids, self.embed)  # [T, H]
-        if self.cpu_layers is not None and self.cpu_layers.takes(positions, meta, kv_cache):
-            h, residual = self.cpu_layers(h, positions, meta, kv_cache)  # the same bits, one call
-        else:
-            residual = None
-            for i, layer in enumerate(self.layers):
-                h, residual = layer(
-                    ops, positions, h, residual, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], self.cos_sin
-                )
-        # only the sampled rows need the final norm and the vocab GEMM
-        idx = meta.logits_indices
+        ops = get_backend(input_ids.device)
+        h = self.embed_tokens(input_ids)  # [T, H]
+        h, residual = self.run_layers(ops, positions, h, meta, kv_cache)
+        return self.compute_logits(ops, h, residual, meta)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] int64 -> [T, H]."""
+        return F.embedding(input_ids, self.embed)
+
+    def run_layers(self, ops: Backend, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
+                   kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: [T, H] embeddings -> (last layer's output [T, H], its residual [T, H])."""
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            h, residual = layer(
+                ops, positions, h, residual, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], self.cos_sin
+            )
+        assert residual is not None, "a model has at least one layer"
+        return h, residual
+
+    def compute_logits(self, ops: Backend, h: torch.Tensor, residual: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """h, residual: [T, H] of the last layer -> logits [num_seqs, V] float32 of the sampled rows."""
+        idx = meta.logits_indices  # only the sampled rows need the final norm and the vocab GEMM
         h, _ = ops.fused_add_rms_norm(h[idx], residual[idx], self.norm, self.config.rms_norm_eps)  # [S, H]
         return linear(h.to(self.lm_head_dtype), self.lm_head).float()  # [num_seqs, V]
 
-    @torch.no_grad()
-    def prepack_for_cpu(self, quantization: str = "none") -> bool:
-        """Swap every GEMM weight for its CPU form: oneDNN-prepacked fp32/bf16 (ops/packed_linear.py)
-        or, with `quantization` int8/int4, a weight-only quantized one (ops/quantized_linear.py).
-        The vocab head stays prepacked fp32 (bf16 logits would round near-ties together), except beside
-        int4 on the block kernel: Q8_0 blocks with fp32 logits, as a GGUF file keeps it; then the
-        steps run every layer in one C call (ops/cpu_step_layers.py). The model
-        is inference-only afterwards (no load_weights, no .to()). False where prepacking is unsupported."""
-        if self.device.type != "cpu" or not packed_linear.available(self.dtype):
-            return False
-        for layer in self.layers:
-            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-                _replace(layer, name, _cpu_weight(getattr(layer, name), quantization))
-        # the embedding lookup needs the plain table, so a tied head gets its own copy
-        head = quantized_linear.quantize_head(self.lm_head, quantization)
-        _replace(self, "lm_head", head if head is not None else _cpu_weight(self.lm_head, "none"))
-        self.share_lm_head = False
-        self.cpu_layers = cpu_step_layers.StepLayers.build(self)
-        return True
+    # ---- weight forms (Backend.prepare_weights converts them; the model only swaps) --------------
 
-    @torch.no_grad()
-    def quantize_for_cuda(self, quantization: str) -> None:
-        """Swap the layers' GEMM weights for a weight-only quantized CUDA form (ops/quantized_linear.py
-        CUDA_FORMATS); the vocab head stays in the model dtype. Inference-only afterwards."""
-        if quantization not in quantized_linear.CUDA_FORMATS:
-            raise ValueError(f"quantization {quantization!r} has no CUDA form (have: "
-                             f"{', '.join(quantized_linear.CUDA_FORMATS)})")
-        fmt = quantized_linear.CUDA_FORMATS[quantization]
+    def map_linear_weights(self, convert: Callable[[torch.Tensor], LinearWeight]) -> None:
+        """Replace every layer's GEMM weight [N, K] by convert(weight); inference-only afterwards."""
         for layer in self.layers:
-            for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-                _replace(layer, name, fmt(getattr(layer, name)))
+            for name in GEMMS:
+                _replace(layer, name, convert(getattr(layer, name)))
+
+    def set_lm_head(self, head: LinearWeight) -> None:
+        """Replace the vocab projection; the embedding lookup keeps the plain table, so a tied head is untied."""
+        _replace(self, "lm_head", head)
+        self.share_lm_head = False
 
     # ---- weight loading -------------------------------------------------------------------------
 

@@ -11,29 +11,15 @@ import torch
 from gpu_worker.model import gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.ops import quantized_linear
+from gpu_worker.ops import get_backend
+from gpu_worker.ops.weights import quantized_linear
 from llmserve import model_store
 
 logger = structlog.get_logger(__name__)
 
-# CPU compute dtype. With prepacked weights (ops/packed_linear.py) bf16 runs the engine ~1.3x faster
-# than fp32 on an AVX512-BF16 EPYC, and its GEMM rows are bitwise batch-invariant too. But attention
-# over a chunked or recomputed prefill sums in another order than over decode steps; in bf16 that
-# difference (~1e-3) reaches the logits, and a preempted-and-recomputed or differently chunked
-# sequence then drew other sampled tokens (tests/integration/test_engine.py failed with bf16).
-# In fp32 it stays ~1e-7. fp32 keeps a sequence's tokens independent of batching, chunking and
-# preemption; `--dtype bfloat16` trades that for speed.
-CPU_DTYPE = torch.float32
-
-
 def default_dtype(device: str | torch.device) -> torch.dtype:
-    """Compute dtype for a device: fp32 on CPU; bf16 on GPUs with native bf16 (sm_80+), else fp16.
-
-    torch calls bf16 "supported" on older GPUs too, by emulating it (slow matmuls); those get fp16.
-    """
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
-    return CPU_DTYPE
+    """Compute dtype for a device, its backend's choice (Backend.compute_dtype)."""
+    return get_backend(device).compute_dtype()
 
 
 def _source(path: Path):
@@ -55,9 +41,10 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
                quantization: str = "none") -> LlamaModel:
     """Build the model for `spec` (alias like "smollm2-135m", a .gguf path, or an HF directory).
 
-    prepack: on CPU, put GEMM weights in oneDNN's blocked layout (LlamaModel.prepack_for_cpu).
-    quantization: weight format of the layers' GEMMs, "none" or a key of ops/quantized_linear.FORMATS
-    (on CPU, with prepack) or of CUDA_FORMATS (on CUDA); "auto" picks one (quantized_linear.default_format).
+    prepack: let the device's backend put the GEMM weights in its form (Backend.prepare_weights: on CPU
+    oneDNN's blocked layout or a quantized format, on CUDA a quantized one); False keeps them as loaded.
+    quantization: weight format of the layers' GEMMs, "none" or a key of ops/weights/quantized_linear.FORMATS
+    (on CPU) or of CUDA_FORMATS (on CUDA); "auto" picks one (quantized_linear.default_format).
     """
     start = time.monotonic()
     path = model_store.resolve(str(spec))
@@ -69,14 +56,11 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     if quantization == "auto":
         widths = [config.hidden_size, config.q_size, config.intermediate_size]  # the GEMMs' in_features
         quantization = quantized_linear.default_format(model.device, widths)
-    prepacked = prepack and model.prepack_for_cpu(quantization)
-    quantized = prepacked and quantization != "none"
-    if model.device.type == "cuda" and quantization != "none":
-        model.quantize_for_cuda(quantization)
-        quantized = True
+    backend = get_backend(device)
+    prepared = prepack and backend.prepare_weights(model, quantization)
     logger.info(
-        "model loaded", path=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."), prepacked=prepacked,
-        quantization=quantization if quantized else "none",
+        "model loaded", path=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
+        backend=backend.name, weights_prepared=prepared, quantization=quantization if prepared else "none",
         layers=config.num_layers, hidden=config.hidden_size, seconds=round(time.monotonic() - start, 2),
     )
     return model

@@ -1,27 +1,38 @@
-"""Hot ops behind one narrow interface, so the CUDA backend drops in without model changes.
+"""Device work behind one typed contract (backend.py), so the model runs on any backend unchanged.
 
-Both backends export the same functions with the same signatures as `reference.py`:
-rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul, write_kv_cache,
-paged_decode_attention, paged_prefill_attention.
+    ops/
+      backend.py     the contract: Backend (ops + weight preparation), PreparableModel
+      reference.py   plain torch: ReferenceBackend, the oracle every kernel is tested against
+      cpu/           CpuBackend: C kernels (*.c, built on first use) and their ctypes bindings
+      cuda/          CudaBackend: CuPy RawKernels (*.cu) and the ops that launch them
+      weights/       GEMM weight formats: oneDNN-prepacked, weight-only int8 / int4
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from types import ModuleType
 
 import torch
 
-_BACKENDS = {"cpu": "gpu_worker.ops.cpu", "cuda": "gpu_worker.ops.cuda"}
+from gpu_worker.ops.backend import Backend
+
+# device type -> (module, class) of its backend; imported on first use (the CUDA one never on a CPU worker)
+_BACKENDS = {"cpu": ("gpu_worker.ops.cpu.backend", "CpuBackend"), "cuda": ("gpu_worker.ops.cuda.backend", "CudaBackend")}
 
 
-def get_ops(device: str | torch.device) -> ModuleType:
-    """The ops module for a device: "cpu" → the reference with C kernels (ops/cpu.py), "cuda"/"cuda:N" →
-    CuPy kernels (lazy import)."""
-    kind = torch.device(device).type
+@functools.cache
+def _backend(kind: str) -> Backend:
     if kind not in _BACKENDS:
-        raise ValueError(f"no ops backend for device {device!r} (have: {', '.join(_BACKENDS)})")
-    return importlib.import_module(_BACKENDS[kind])
+        raise ValueError(f"no ops backend for device {kind!r} (have: {', '.join(_BACKENDS)})")
+    module, name = _BACKENDS[kind]
+    backend: Backend = getattr(importlib.import_module(module), name)()
+    return backend
+
+
+def get_backend(device: str | torch.device) -> Backend:
+    """The backend for a device: "cpu" -> CpuBackend (C kernels), "cuda"/"cuda:N" -> CudaBackend (CuPy kernels)."""
+    return _backend(torch.device(device).type)
 
 
 def _cupy_available() -> bool:

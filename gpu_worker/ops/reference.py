@@ -1,14 +1,18 @@
-"""Plain torch reference ops: the production CPU path and the oracle the CUDA kernels are tested against.
+"""Plain torch reference ops: the fallback of the CPU backend's C kernels and the oracle the CPU and
+CUDA kernels are tested against; `ReferenceBackend` runs a model on nothing else.
 
-Contract (shared with `cuda.py`): /tmp/ops_spec.md. Shapes use
-T = tokens in the step, Hq/Hk = query/kv heads, D = head_dim, B = decoding sequences,
-S = prefilling sequences.
+Contract: gpu_worker/ops/backend.py. Shapes use T = tokens in the step, Hq/Hk = query/kv heads,
+D = head_dim, B = decoding sequences, S = prefilling sequences.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from gpu_worker.ops.backend import Backend, PreparableModel
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -143,13 +147,57 @@ def paged_prefill_attention(
     """Causal attention of each prefill chunk over its sequence's cached context.
 
     q: [T, Hq, D], block_tables: [S, max_blocks] int32, query_start_loc: [S + 1] int32,
-    context_lens: [S] int32 -> [T, Hq, D]. A step holds few prefills, so a loop over sequences is fine.
+    context_lens: [S] int32 -> [T, Hq, D].
     """
+    return prefill_each_sequence(_prefill_one, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                 scale)
+
+
+# attend(q [L, Hq, D], k_cache, v_cache, block_table [max_blocks], context_len, scale) -> [L, Hq, D]
+PrefillOne = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+def prefill_each_sequence(
+    attend: PrefillOne,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_prefill_attention as a loop of `attend` over the step's prefilling sequences (a step holds
+    few, so a loop is fine); it reads the lengths on the host. Arguments as paged_prefill_attention's."""
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
+    starts, lens = query_start_loc.tolist(), context_lens.tolist()
     for i, context_len in enumerate(lens):
         lo, hi = starts[i], starts[i + 1]
         if hi > lo:
-            out[lo:hi] = _prefill_one(q[lo:hi], k_cache, v_cache, block_tables[i], context_len, scale)
+            out[lo:hi] = attend(q[lo:hi], k_cache, v_cache, block_tables[i], context_len, scale)
     return out
+
+
+class ReferenceBackend(Backend):
+    """Every op in plain torch; weights stay as loaded (F.linear)."""
+
+    name = "reference"
+    rms_norm = staticmethod(rms_norm)
+    fused_add_rms_norm = staticmethod(fused_add_rms_norm)
+    rotary_embedding = staticmethod(rotary_embedding)
+    silu_and_mul = staticmethod(silu_and_mul)
+    write_kv_cache = staticmethod(write_kv_cache)
+    paged_decode_attention = staticmethod(paged_decode_attention)
+    paged_prefill_attention = staticmethod(paged_prefill_attention)
+
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def logits_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """fp32: bf16 logits round near-ties together and flip greedy choices."""
+        return torch.float32
+
+    def prepare_weights(self, model: PreparableModel, quantization: str) -> bool:
+        if quantization != "none":
+            raise ValueError(f"the reference backend runs plain weights, not {quantization!r}")
+        return False

@@ -8,7 +8,8 @@ import os
 import cpu_backend as cb
 import pytest
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import kernels
+from gpu_worker.ops.cuda import ops as cuda
 
 EXECUTED: set[str] = set()  # kernel variants launched in this session (reported at the end)
 
@@ -19,12 +20,12 @@ def built() -> None:
     reason = cb.unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-    cb.build_all(cuda.KERNEL_DIR, cuda.launchable_kernels(), jobs=os.cpu_count() or 2)
+    cb.build_all(kernels.KERNEL_DIR, kernels.launchable_kernels(), jobs=os.cpu_count() or 2)
 
 
 @pytest.fixture
 def launch_with(built):
-    """launch_with(order, seed) -> a context manager routing gpu_worker.ops.cuda through a CPU launcher."""
+    """launch_with(order, seed) -> a context manager routing gpu_worker.ops.cuda.ops through a CPU launcher."""
     launchers = []
 
     def make(order: cb.Order = cb.Order.FORWARD, seed: int = 0, **kwargs):
@@ -39,7 +40,7 @@ def launch_with(built):
 
 def pytest_terminal_summary(terminalreporter):
     if EXECUTED:
-        every = {n for names in cuda.launchable_kernels().values() for n in names}
+        every = {n for names in kernels.launchable_kernels().values() for n in names}
         missing = sorted(every - EXECUTED)
         terminalreporter.write_line(f"CPU-executed CUDA kernels: {len(EXECUTED & every)}/{len(every)} variants"
                                     + (f"; not run: {', '.join(missing[:8])}" if missing else ""))

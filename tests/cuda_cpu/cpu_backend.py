@@ -1,6 +1,6 @@
-"""Run gpu_worker/kernels/*.cu on the CPU: g++ builds the unchanged sources against cuda_shim.h into a
+"""Run gpu_worker/ops/cuda/*.cu on the CPU: g++ builds the unchanged sources against cuda_shim.h into a
 shared object (cached by source hash), ctypes calls it, and `CpuLauncher` plugs it into
-gpu_worker.ops.cuda as the launcher, so the ops' own planning, grids and argument packing run.
+gpu_worker.ops.cuda.ops as the launcher, so the ops' own planning, grids and argument packing run.
 
     with cuda.use_launcher(CpuLauncher(order=Order.RANDOM)):
         out = cuda.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)   # CPU tensors
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import kernels
 
 SHIM = Path(__file__).resolve().parent / "cuda_shim.h"
 CXX = shutil.which(os.environ.get("CXX", "g++"))
@@ -129,7 +129,7 @@ def translation_unit(source_path: Path, expressions: list[str]) -> str:
 
 def _build_key(source_path: Path, expressions: list[str], flags: tuple[str, ...]) -> str:
     h = hashlib.sha256()
-    for path in sorted({source_path, SHIM, *source_path.parent.glob("*.cuh"), *cuda.KERNEL_DIR.glob("*.cuh")}):
+    for path in sorted({source_path, SHIM, *source_path.parent.glob("*.cuh"), *kernels.KERNEL_DIR.glob("*.cuh")}):
         h.update(str(path).encode() + b"\0" + path.read_bytes())
     h.update("\0".join([*expressions, *flags, CXX or ""]).encode())
     return h.hexdigest()[:24]
@@ -146,7 +146,7 @@ def build(source_path: Path, expressions: list[str]) -> Path:
         tu.write_text(translation_unit(source_path, expressions))
         obj = Path(tmp) / "kernels.o"
         # compiled with -fsanitize=alignment but linked without the UBSan runtime: cuda_shim.h is its handler
-        _run([CXX, *BASE_FLAGS, *flags, f"-I{SHIM.parent}", f"-I{cuda.KERNEL_DIR}", "-c", str(tu), "-o", str(obj)])
+        _run([CXX, *BASE_FLAGS, *flags, f"-I{SHIM.parent}", f"-I{kernels.KERNEL_DIR}", "-c", str(tu), "-o", str(obj)])
         link_asan = ["-fsanitize=address"] if "-fsanitize=address,alignment" in flags else []
         _run([CXX, "-shared", *link_asan, str(obj), "-o", str(Path(tmp) / "k.so")])
         os.replace(Path(tmp) / "k.so", target)
@@ -237,7 +237,7 @@ def build_all(kernel_dir: Path, variants: dict[str, list[str]], jobs: int = 2) -
 
 
 class CpuLauncher:
-    """gpu_worker.ops.cuda's launcher seam, executing on the CPU with CPU tensors.
+    """gpu_worker.ops.cuda.ops's launcher seam, executing on the CPU with CPU tensors.
 
     Args:
         order: block and thread order of every launch (a race shows as a different result).
@@ -248,10 +248,10 @@ class CpuLauncher:
     Output buffers the ops allocate through `empty` start as NaN, so a read of an unwritten element shows.
     """
 
-    def __init__(self, order: Order = Order.FORWARD, seed: int = 0, kernel_dir: Path = cuda.KERNEL_DIR,
+    def __init__(self, order: Order = Order.FORWARD, seed: int = 0, kernel_dir: Path = kernels.KERNEL_DIR,
                  variants: dict[str, list[str]] | None = None) -> None:
         self.order, self.seed, self.kernel_dir = order, seed, kernel_dir
-        self.variants = variants if variants is not None else cuda.launchable_kernels()
+        self.variants = variants if variants is not None else kernels.launchable_kernels()
         self._groups = {name: names for names in variant_groups(self.variants).values() for name in names}
         self.launched: list[str] = []
 

@@ -1,4 +1,4 @@
-// CUDA built-ins for running the unchanged gpu_worker/kernels/*.cu on the CPU (tests only).
+// CUDA built-ins for running the unchanged gpu_worker/ops/cuda/*.cu on the CPU (tests only).
 //
 // Every CUDA thread of a block is a fiber: its own stack, switched cooperatively by a six-register
 // context switch. Blocks run one after another; the threads of a block run until they reach a

@@ -27,7 +27,8 @@ cb.CpuLauncher(kernel_dir=cb.Path(HERE), variants={"probe_kernels.cu": ["probe::
 DECODE_OOB = """
 import torch
 import cpu_backend as cb
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import kernels
+from gpu_worker.ops.cuda import ops as cuda
 from kernel_cases import paged_batch
 q, kc, vc, tables, ctx = paged_batch([40], 4, 1, 64, torch.float16)
 tables[0, 1] = kc.shape[0]  # one block past the cache
@@ -57,5 +58,5 @@ def test_asan_names_the_line_of_an_out_of_bounds_write():
 def test_asan_names_the_kernel_lines_of_a_block_table_past_the_cache():
     report = run_child(DECODE_OOB)
     assert "heap-buffer-overflow" in report and "READ of size 16" in report, report
-    line = source_line(cb.cuda.KERNEL_DIR / "paged_attention.cu", "dst[j][v] = valid ? load_chunk(")
+    line = source_line(cb.kernels.KERNEL_DIR / "paged_attention.cu", "dst[j][v] = valid ? load_chunk(")
     assert re.search(rf"paged_attention\.cu:{line}\b", report), report

@@ -1,4 +1,4 @@
-"""Every CUDA kernel, executed on the CPU through gpu_worker.ops.cuda (its planning, split-K, grids and
+"""Every CUDA kernel, executed on the CPU through gpu_worker.ops.cuda.ops (its planning, split-K, grids and
 argument packing), against the torch reference ops: tests/gpu/test_kernels_gpu.py on smaller shapes.
 
 Outputs and shared memory start as NaN, so an element nobody wrote shows; each case also runs with
@@ -19,7 +19,9 @@ from kernel_cases import (
     same_bits_in_every_order,
 )
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import kernels
+from gpu_worker.ops.cuda import ops as cuda
 
 # ------------------------------------------------------------------ paged decode attention
 
@@ -54,21 +56,21 @@ GROUP_SIZES = {1: 1, 2: 2, 4: 3, 8: 5}  # GROUP_MAX -> a group size it serves (3
 
 
 @pytest.mark.parametrize("group_max", sorted(GROUP_SIZES))
-@pytest.mark.parametrize("block_size", cuda.DECODE_BLOCK_SIZES)
-@pytest.mark.parametrize("dim", cuda.DECODE_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize("block_size", kernels.DECODE_BLOCK_SIZES)
+@pytest.mark.parametrize("dim", kernels.DECODE_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", kernels.KERNEL_TYPES)
 def test_every_decode_variant_in_every_order(launch_with, dtype, dim, block_size, group_max):
     """Each compiled (dtype, head_dim, block_size, GROUP_MAX), split-K with 3 partitions and a partial
     last block, bit-identical in every order."""
     group = GROUP_SIZES[group_max]
-    lens = [1, 2 * cuda.PARTITION_TOKENS + block_size + 3]
+    lens = [1, 2 * kernels.PARTITION_TOKENS + block_size + 3]
     q, kc, vc, tables, ctx = paged_batch(lens, group, 1, dim, dtype, block_size, seed=block_size + group)
     scale = dim**-0.5
     got = same_bits_in_every_order(launch_with, lambda: cuda.paged_decode_attention(q, kc, vc, tables, ctx, scale))
     want = fp32_oracle(reference.paged_decode_attention, q, kc, vc, tables, ctx, scale)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
     torch.testing.assert_close(got, want, **tol)
-    assert cuda.plan_decode(group, tables.shape[1], block_size).num_partitions == 3
+    assert kernels.plan_decode(group, tables.shape[1], block_size).num_partitions == 3
 
 
 def test_paged_decode_fp32_and_padded_table(launch_with):
@@ -104,7 +106,7 @@ def test_decode_bits_do_not_depend_on_batch_or_table_width(launch_with, dtype):
 # ------------------------------------------------------------------ small ops
 
 
-@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", kernels.KERNEL_TYPES)
 @pytest.mark.parametrize("hidden", [576, 2048, 100, 300])  # (vec 8, 4 warps) (8, 8) (1, 4) (1, 8)
 @pytest.mark.parametrize("weight_fp32", [False, True])
 def test_rms_norms(launch_with, dtype, hidden, weight_fp32):
@@ -118,7 +120,7 @@ def test_rms_norms(launch_with, dtype, hidden, weight_fp32):
     torch.testing.assert_close(got_n, want_n, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", kernels.KERNEL_TYPES)
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_rotary_embedding(launch_with, dtype, interleaved, dim):
@@ -136,7 +138,7 @@ def test_rotary_embedding(launch_with, dtype, interleaved, dim):
         torch.testing.assert_close(g, w, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", kernels.KERNEL_TYPES)
 @pytest.mark.parametrize("inter", [1536, 100])
 def test_silu_and_mul(launch_with, dtype, inter):
     x = rand(3, 2 * inter, dtype=dtype, seed=5)
@@ -144,7 +146,7 @@ def test_silu_and_mul(launch_with, dtype, inter):
     torch.testing.assert_close(got, reference.silu_and_mul(x), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", kernels.KERNEL_TYPES)
 @pytest.mark.parametrize("dim", [64, 128, 36])  # 36: not a multiple of 8 -> scalar copies
 def test_write_kv_cache(launch_with, dtype, dim):
     tokens, kv_heads, blocks, bs = 20, 2, 8, 16
@@ -176,7 +178,7 @@ def int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.rand(n, generator=gen) * 0.02 + 1e-3
 
 
-@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", kernels.KERNEL_TYPES)
 @pytest.mark.parametrize(("tokens", "n", "k"), [(1, 37, 64), (3, 64, 576), (9, 130, 1536), (64, 20, 96)])
 def test_int8_linear(launch_with, dtype, tokens, n, k):
     # 37, 130 rows: a partial last CTA; 9 tokens: a partial second token chunk; 64: the GEMV's largest call
@@ -187,11 +189,11 @@ def test_int8_linear(launch_with, dtype, tokens, n, k):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", cuda.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", kernels.KERNEL_TYPES)
 def test_int8_linear_rows_are_the_same_bits_in_any_decode_batch(launch_with, dtype):
-    x = rand(cuda.INT8_GEMV_MAX_TOKENS, 576, dtype=dtype, seed=9)
+    x = rand(kernels.INT8_GEMV_MAX_TOKENS, 576, dtype=dtype, seed=9)
     q, scale = int8_weight(192, 576, seed=9)
     with launch_with():
-        batches = {t: cuda.int8_linear(x[:t], q, scale) for t in (1, 2, 7, 8, 9, cuda.INT8_GEMV_MAX_TOKENS)}
+        batches = {t: cuda.int8_linear(x[:t], q, scale) for t in (1, 2, 7, 8, 9, kernels.INT8_GEMV_MAX_TOKENS)}
     for t, out in batches.items():
-        assert torch.equal(out, batches[cuda.INT8_GEMV_MAX_TOKENS][:t]), t
+        assert torch.equal(out, batches[kernels.INT8_GEMV_MAX_TOKENS][:t]), t

@@ -11,14 +11,16 @@ import pytest
 import torch
 from kernel_cases import ORDERS, TOL, bits, fp32_oracle, paged_batch, rand
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import kernels
+from gpu_worker.ops.cuda import ops as cuda
 
 DTYPE = torch.bfloat16
 HEAD_DIM = 64
 # Only the variants the checks below launch: a mutant build stays a few seconds.
 VARIANTS = {
-    "paged_attention.cu": [cuda.decode_kernel_name(DTYPE, HEAD_DIM, 16, 4), cuda.reduce_kernel_name(DTYPE, HEAD_DIM)],
-    "layernorm.cu": [cuda.norm_kernel_name(fused, DTYPE, DTYPE, 8, warps) for fused in (False, True) for warps in (4, 8)],
+    "paged_attention.cu": [kernels.decode_kernel_name(DTYPE, HEAD_DIM, 16, 4), kernels.reduce_kernel_name(DTYPE, HEAD_DIM)],
+    "layernorm.cu": [kernels.norm_kernel_name(fused, DTYPE, DTYPE, 8, warps) for fused in (False, True) for warps in (4, 8)],
 }
 DECODE, NORMS = "paged_attention.cu", "layernorm.cu"  # which check (and build) a mutant needs
 
@@ -46,10 +48,10 @@ MUTANTS = [
 
 
 def mutant_dir(name: str, file: str | None, old: str, new: str) -> Path:
-    """A copy of gpu_worker/kernels with one edit, at a stable path (so its build is cached)."""
+    """A copy of gpu_worker/ops/cuda with one edit, at a stable path (so its build is cached)."""
     root = cb.cache_dir() / "mutants" / name.replace(" ", "_").replace("/", "_")
     root.mkdir(parents=True, exist_ok=True)
-    for src in cuda.KERNEL_DIR.iterdir():
+    for src in sorted({*kernels.KERNEL_DIR.glob("*.cu"), *kernels.KERNEL_DIR.glob("*.cuh")}):  # the kernels, not ops.py
         text = src.read_text()
         if src.name == file:
             assert text.count(old) == 1, f"mutation site of {name!r} not found once in {file}"

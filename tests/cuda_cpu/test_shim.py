@@ -12,7 +12,9 @@ import pytest
 import torch
 from kernel_cases import ORDERS, TOL, bits, rand
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import kernels
+from gpu_worker.ops.cuda import ops as cuda
 
 HERE = Path(__file__).resolve().parent
 PROBES = [f"probe::{name}" for name in (
@@ -119,14 +121,14 @@ def test_more_threads_than_launch_bounds_is_an_error(probe, built):
     probe("bounded_kernel", (1,), (64,), out32())
     with pytest.raises(cb.KernelError, match=r"128 threads per block exceed __launch_bounds__\(64\)"):
         probe("bounded_kernel", (1,), (128,), out32(128))
-    reduce = cuda.reduce_kernel_name(torch.float32, 64)  # a real kernel: __launch_bounds__(HEAD_DIM)
+    reduce = kernels.reduce_kernel_name(torch.float32, 64)  # a real kernel: __launch_bounds__(HEAD_DIM)
     args = (out32(), out32(), out32(), out32(), torch.ones(1, dtype=torch.int32), np.int32(1), np.int32(256))
     with pytest.raises(cb.KernelError, match=r"exceed __launch_bounds__\(64\)"):
         cb.CpuLauncher().launch("paged_attention.cu", reduce, (1, 1), (128,), args)
 
 
 def test_argument_types_are_checked_against_the_kernel(built):
-    reduce = cuda.reduce_kernel_name(torch.float32, 64)
+    reduce = kernels.reduce_kernel_name(torch.float32, 64)
     tensors = (out32(), out32(), out32(), out32())
     with pytest.raises(cb.KernelError, match=r"argument 4: kernel takes 4-byte elements, got a tensor of 8-byte"):
         cb.CpuLauncher().launch("paged_attention.cu", reduce, (1, 1), (64,),

@@ -14,7 +14,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import ops as cuda
 
 REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU run: {REASON}")]
@@ -122,7 +122,7 @@ def test_greedy_driver_matches_engine_on_gpu():
 
 def test_decode_graph_runner_matches_eager():
     """DecodeGraphRunner: graph replay of a padded decode batch gives the eager logits."""
-    from gpu_worker.ops.cuda_graphs import DecodeGraphRunner
+    from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 
     model = make_model("cuda", torch.bfloat16)
     max_blocks = 8
@@ -176,11 +176,12 @@ def test_engine_with_decode_graphs_matches_eager_engine():
 def test_int8_weights_on_the_gpu_follow_the_cpu_int8_model():
     """--quantization int8 on CUDA (int8_gemv.cu for decode, dequantize + cuBLAS for prefill) against the
     same int8 weights dequantized on the CPU in fp32: the greedy tokens agree."""
-    from gpu_worker.ops import quantized_linear
+    from gpu_worker.ops.cuda.backend import CudaBackend
+    from gpu_worker.ops.weights import quantized_linear
 
     prompts = make_prompts()
     gpu_model = make_model("cuda")
-    gpu_model.quantize_for_cuda("int8")
+    assert CudaBackend().prepare_weights(gpu_model, "int8")
     cpu_model = make_model("cpu")
     for cpu_layer, gpu_layer in zip(cpu_model.layers, gpu_model.layers):
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):

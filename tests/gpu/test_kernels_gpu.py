@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import kernels
+from gpu_worker.ops.cuda import ops as cuda
 
 REASON = cuda.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU run: {REASON}")]
@@ -210,7 +212,7 @@ def test_int8_linear_rows_are_the_same_bits_in_any_decode_batch():
     gen = torch.Generator(device="cuda").manual_seed(9)
     q = torch.randint(-127, 128, (1536, 576), generator=gen, device="cuda", dtype=torch.int8)
     scale = torch.rand(1536, generator=gen, device="cuda") * 0.02
-    x = rand(cuda.INT8_GEMV_MAX_TOKENS, 576, dtype=torch.bfloat16, seed=9)
+    x = rand(kernels.INT8_GEMV_MAX_TOKENS, 576, dtype=torch.bfloat16, seed=9)
     full = cuda.int8_linear(x, q, scale)
     for t in (1, 7, 8, 9, 33):
         assert torch.equal(cuda.int8_linear(x[:t], q, scale), full[:t]), t

@@ -1,7 +1,7 @@
 """Engine on a tiny random Llama (CPU, fp32): batching, prefix cache, seeds, preemption, handoff.
 
 Every test runs with plain weights (F.linear), with oneDNN-prepacked fp32 weights (the
-production CPU path, LlamaModel.prepack_for_cpu) and with each weight-only quantized format
+production CPU path, CpuBackend.prepare_weights) and with each weight-only quantized format
 (`--quantization int8|int4`): the guarantees hold in every configuration a worker can run.
 """
 
@@ -14,6 +14,7 @@ from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, SamplingParams, Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
+from gpu_worker.ops.cpu.backend import CpuBackend
 
 VOCAB = 128
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -36,7 +37,7 @@ def make_model(seed: int = 0) -> LlamaModel:
 def model(request) -> LlamaModel:
     model = make_model()
     quantization = "none" if request.param == "prepacked" else request.param
-    if request.param != "plain" and not model.prepack_for_cpu(quantization):
+    if request.param != "plain" and not CpuBackend().prepare_weights(model, quantization):
         pytest.skip("this torch build cannot prepack CPU weights")
     return model
 

@@ -249,7 +249,7 @@ def test_sigterm_drain_hands_back_and_other_worker_continues(workers, model_dir,
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_worker_setting_quantization_reaches_the_model(model_dir, quantization):
     from gpu_worker.config import WorkerSettings
-    from gpu_worker.ops.quantized_linear import quantize
+    from gpu_worker.ops.weights.quantized_linear import quantize
     from gpu_worker.service import build_engine
 
     settings = WorkerSettings.load(["--model", str(model_dir), "--device", "cpu", "--quantization", quantization,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.ops import cpu_attention, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cpu import paged_attention as cpu_attention
 
 pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler to build the CPU kernel")
 

@@ -1,4 +1,4 @@
-"""Building and loading the CPU C kernels (gpu_worker/ops/cpu_kernels.py)."""
+"""Building and loading the CPU C kernels (gpu_worker/ops/cpu/build.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 from structlog.testing import capture_logs
 
-from gpu_worker.ops import cpu_kernels
+from gpu_worker.ops.cpu import build as cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -35,7 +35,7 @@ def test_prebuilt_kernels_load_without_a_compiler(fresh, monkeypatch):
 
 def test_without_a_compiler_or_a_prebuilt_file_the_caller_falls_back(fresh, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    assert cpu_kernels.load("cpu_layer_ops") is None
+    assert cpu_kernels.load("layer_ops") is None
     assert not fresh.exists() or not any(fresh.iterdir())
 
 

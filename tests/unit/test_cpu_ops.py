@@ -1,11 +1,12 @@
-"""The CPU ops backend's C kernels (gpu_worker/ops/cpu.py) against the torch reference."""
+"""The CPU ops backend's C kernels (gpu_worker/ops/cpu/layer_ops.py) against the torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu_worker.ops import cpu, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cpu import layer_ops as cpu
 
 pytestmark = pytest.mark.skipif(cpu.library() is None, reason="no C compiler to build the CPU kernels")
 

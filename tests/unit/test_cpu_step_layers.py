@@ -1,5 +1,5 @@
-"""All layers of a CPU step in one C call (ops/cpu_step_layers.py) against the Python path over
-the same kernels: the same logits, bit for bit, and the models it leaves alone."""
+"""All layers of a CPU step in one C call (runner/cpu_step_layers.py over ops/cpu/step_layers.c) against
+the Python path over the same kernels: the same logits, bit for bit, and the models it leaves alone."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.ops import cpu_block_linear, cpu_step_layers
+from gpu_worker.ops.cpu import block_linear as cpu_block_linear
+from gpu_worker.ops.cpu import step_layers as cpu_step_layers
+from gpu_worker.ops.cpu.backend import CpuBackend
+from gpu_worker.runner.cpu_step_layers import StepLayers
 
 pytestmark = pytest.mark.skipif(cpu_step_layers.library() is None,
                                 reason="no C compiler (or no AVX2) to build the CPU kernels")
@@ -26,24 +29,33 @@ def make_model(quantization: str = "int4", config: ModelConfig = CONFIG) -> Llam
     for name, p in model.named_parameters():
         p.data.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name
                      else 0.2 * torch.randn(p.shape, generator=gen))
-    assert model.prepack_for_cpu(quantization)
+    assert CpuBackend().prepare_weights(model, quantization)
     return model
 
 
-def logits_of_every_step(model: LlamaModel, monkeypatch, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Greedy-decode the prompts (admitted together, so steps after the first are decode-only)."""
+def record_logits(engine: LLMEngine, in_c: bool) -> list[torch.Tensor]:
+    """The logits of every step `engine` runs from now on, with its runner's C step kept (in_c) or dropped."""
     seen: list[torch.Tensor] = []
-    forward = model.forward
+    runner = engine.runner
+    forward = runner.forward
+    assert runner.step_layers is not None
+    if not in_c:
+        runner.step_layers = None
 
     def recorded(*args):
         seen.append(forward(*args).clone())
         return seen[-1]
 
-    monkeypatch.setattr(model, "forward", recorded)
+    runner.forward = recorded
+    return seen
+
+
+def logits_of_every_step(model: LlamaModel, prompts: list[list[int]], in_c: bool) -> list[torch.Tensor]:
+    """Greedy-decode the prompts (admitted together, so steps after the first are decode-only)."""
     engine = LLMEngine.create(model, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8,
                                                   max_num_batched_tokens=512, enable_prefix_caching=False))
+    seen = record_logits(engine, in_c)
     engine.generate(prompts, [SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)] * len(prompts))
-    monkeypatch.setattr(model, "forward", forward)
     return seen
 
 
@@ -58,19 +70,16 @@ def threads(request, monkeypatch):
 
 def test_steps_give_the_python_paths_logits_bit_for_bit(monkeypatch, threads):
     model = make_model()
-    assert model.cpu_layers is not None
     calls = []
-    call = cpu_step_layers.StepLayers.__call__
-    monkeypatch.setattr(cpu_step_layers.StepLayers, "__call__",
-                        lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
+    call = StepLayers.__call__
+    monkeypatch.setattr(StepLayers, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 9, 17)]  # 1 to 5 cache blocks
-    in_c = logits_of_every_step(model, monkeypatch, prompts)
+    in_c = logits_of_every_step(model, prompts, in_c=True)
     assert calls == [3 + 9 + 17] + [3] * 9  # the prefill step and every decode step ran in C
 
-    kept, model.cpu_layers = model.cpu_layers, None
-    in_python = logits_of_every_step(model, monkeypatch, prompts)
-    model.cpu_layers = kept
+    in_python = logits_of_every_step(model, prompts, in_c=False)
+    assert calls == [3 + 9 + 17] + [3] * 9  # none more
     assert len(in_c) == len(in_python) == 10
     assert all(torch.equal(a, b) for a, b in zip(in_c, in_python))
 
@@ -81,19 +90,16 @@ def test_chunked_prefills_prefix_hits_and_mixed_steps_give_the_python_paths_bits
     runs in C and gives the Python path's logits bit for bit."""
     model = make_model()
     calls = []
-    call = cpu_step_layers.StepLayers.__call__
-    monkeypatch.setattr(cpu_step_layers.StepLayers, "__call__",
-                        lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
+    call = StepLayers.__call__
+    monkeypatch.setattr(StepLayers, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or call(self, *a))
     gen = torch.Generator().manual_seed(2)
     first, second = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (13, 6))
     arrivals = {0: [first], 2: [second], 4: [first[:9] + second]}  # step -> prompts added before it
 
-    def run() -> list[torch.Tensor]:
-        seen: list[torch.Tensor] = []
-        forward = model.forward
-        monkeypatch.setattr(model, "forward", lambda *a: seen.append(forward(*a).clone()) or seen[-1])
+    def run(in_c: bool) -> list[torch.Tensor]:
         engine = LLMEngine.create(model, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8,
                                                       max_num_batched_tokens=8, enable_prefix_caching=True))
+        seen = record_logits(engine, in_c)
         params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
         step = 0
         while step in arrivals or engine.has_work():
@@ -101,14 +107,12 @@ def test_chunked_prefills_prefix_hits_and_mixed_steps_give_the_python_paths_bits
                 engine.add(Sequence(prompt, params))
             engine.step()
             step += 1
-        monkeypatch.setattr(model, "forward", forward)
         return seen
 
-    in_c = run()
+    in_c = run(in_c=True)
     assert len(calls) == len(in_c) and any(t > 3 for t in calls)  # every step in C, prefill chunks among them
-    kept, model.cpu_layers = model.cpu_layers, None
-    in_python = run()
-    model.cpu_layers = kept
+    in_python = run(in_c=False)
+    assert len(calls) == len(in_c)  # none more
     assert len(in_c) == len(in_python)
     assert all(torch.equal(a, b) for a, b in zip(in_c, in_python))
 
@@ -119,4 +123,4 @@ def test_models_it_does_not_apply_to_keep_the_python_path(case):
         model = make_model("int4", dataclasses.replace(CONFIG, attention_bias=True))
     else:
         model = make_model("none" if case == "fp32 weights" else "int8")
-    assert model.cpu_layers is None
+    assert StepLayers.build(model) is None

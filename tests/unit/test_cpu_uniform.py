@@ -1,4 +1,4 @@
-"""The sampler's uniform noise in C (gpu_worker/ops/cpu_uniform.c): torch.rand's own CPU stream, bit for bit."""
+"""The sampler's uniform noise in C (gpu_worker/ops/cpu/uniform.c): torch.rand's own CPU stream, bit for bit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from gpu_worker.ops import cpu_uniform
+from gpu_worker.ops.cpu import uniform as cpu_uniform
 
 needs_kernel = pytest.mark.skipif(shutil.which("cc") is None or cpu_uniform.library() is None,
                                   reason="no C compiler for the kernel")

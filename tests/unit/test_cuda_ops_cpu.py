@@ -11,52 +11,54 @@ import subprocess
 import pytest
 import torch
 
-from gpu_worker.ops import cuda, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cuda import kernels
+from gpu_worker.ops.cuda import ops as cuda
 
 
 @pytest.mark.parametrize(
     ("group", "max_blocks", "block_size", "expected"),
     [
-        (4, 128, 16, cuda.DecodePlan(4, 1, 8, 16)),   # 2048 tokens: 8 partitions of 256
-        (4, 16, 16, cuda.DecodePlan(4, 1, 1, 16)),    # 256 tokens: one partition, no reduce
-        (4, 17, 16, cuda.DecodePlan(4, 1, 2, 16)),
-        (3, 64, 16, cuda.DecodePlan(4, 1, 4, 16)),    # SmolLM2 shape: GROUP_MAX 4 covers 3 heads
-        (16, 64, 16, cuda.DecodePlan(8, 2, 4, 16)),   # group of 16 -> 2 CTAs of 8 heads
-        (1, 10, 64, cuda.DecodePlan(1, 1, 3, 4)),     # 64-token blocks: 4 per partition
-        (8, 40, 8, cuda.DecodePlan(8, 1, 2, 32)),
+        (4, 128, 16, kernels.DecodePlan(4, 1, 8, 16)),   # 2048 tokens: 8 partitions of 256
+        (4, 16, 16, kernels.DecodePlan(4, 1, 1, 16)),    # 256 tokens: one partition, no reduce
+        (4, 17, 16, kernels.DecodePlan(4, 1, 2, 16)),
+        (3, 64, 16, kernels.DecodePlan(4, 1, 4, 16)),    # SmolLM2 shape: GROUP_MAX 4 covers 3 heads
+        (16, 64, 16, kernels.DecodePlan(8, 2, 4, 16)),   # group of 16 -> 2 CTAs of 8 heads
+        (1, 10, 64, kernels.DecodePlan(1, 1, 3, 4)),     # 64-token blocks: 4 per partition
+        (8, 40, 8, kernels.DecodePlan(8, 1, 2, 32)),
     ],
 )
 def test_plan_decode(group, max_blocks, block_size, expected):
-    plan = cuda.plan_decode(group, max_blocks, block_size)
+    plan = kernels.plan_decode(group, max_blocks, block_size)
     assert plan == expected
-    assert plan.partition_blocks * block_size == cuda.PARTITION_TOKENS  # fixed: batch-independent bits
+    assert plan.partition_blocks * block_size == kernels.PARTITION_TOKENS  # fixed: batch-independent bits
     assert plan.num_partitions * plan.partition_blocks >= max_blocks  # every block is covered
     assert (plan.num_partitions - 1) * plan.partition_blocks < max_blocks  # no partition wholly past the table
 
 
 def test_plan_grid_and_group_max():
-    assert [cuda.group_max_for(g) for g in (1, 2, 3, 4, 5, 7, 8, 12)] == [1, 2, 4, 4, 8, 8, 8, 8]
-    assert cuda.DecodePlan(4, 1, 5, 26).grid(16, 8) == (8, 16, 5)
-    assert cuda.DecodePlan(8, 2, 1, 64).grid(3, 2) == (4, 3, 1)
+    assert [kernels.group_max_for(g) for g in (1, 2, 3, 4, 5, 7, 8, 12)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert kernels.DecodePlan(4, 1, 5, 26).grid(16, 8) == (8, 16, 5)
+    assert kernels.DecodePlan(8, 2, 1, 64).grid(3, 2) == (4, 3, 1)
 
 
 def test_vec_width_and_support():
-    assert cuda.vec_width(torch.bfloat16, 4096) == 8
-    assert cuda.vec_width(torch.float16, 4096, 100) == 1
-    assert cuda.vec_width(torch.float32, 576) == 8
-    assert cuda.decode_kernel_supports(128, 16, torch.bfloat16)
-    assert not cuda.decode_kernel_supports(96, 16, torch.bfloat16)
-    assert not cuda.decode_kernel_supports(64, 4, torch.float16)
-    assert all(cuda.decode_kernel_supports(64, bs, torch.float16) for bs in (8, 16, 32, 64))  # the config's sizes
+    assert kernels.vec_width(torch.bfloat16, 4096) == 8
+    assert kernels.vec_width(torch.float16, 4096, 100) == 1
+    assert kernels.vec_width(torch.float32, 576) == 8
+    assert kernels.decode_kernel_supports(128, 16, torch.bfloat16)
+    assert not kernels.decode_kernel_supports(96, 16, torch.bfloat16)
+    assert not kernels.decode_kernel_supports(64, 4, torch.float16)
+    assert all(kernels.decode_kernel_supports(64, bs, torch.float16) for bs in (8, 16, 32, 64))  # the config's sizes
 
 
 def test_kernel_names_and_sources():
-    assert cuda.decode_kernel_name(torch.bfloat16, 128, 16, 4) == (
+    assert kernels.decode_kernel_name(torch.bfloat16, 128, 16, 4) == (
         "llmserve::paged_decode_kernel<llmserve::bf16, 128, 16, 4, 4>")
-    assert cuda.norm_kernel_name(True, torch.float16, torch.float32, 8, 8) == (
+    assert kernels.norm_kernel_name(True, torch.float16, torch.float32, 8, 8) == (
         "llmserve::fused_add_rms_norm_kernel<llmserve::f16, float, 8, 8>")
-    for filename in cuda.hot_name_expressions():
-        src = cuda.kernel_source(filename)
+    for filename in kernels.hot_name_expressions():
+        src = kernels.kernel_source(filename)
         assert '#include "common.cuh"' not in src and "namespace llmserve" in src
         # NVRTC ships no CUDA headers and CuPy's include paths vary: the sources include nothing
         assert not [line for line in src.splitlines() if line.lstrip().startswith("#include")]
@@ -107,7 +109,7 @@ def test_gather_context_orders_blocks_by_table():
 
 def test_static_decode_inputs_pad_rows_write_nothing_and_read_nothing():
     from gpu_worker.model.metadata import AttentionMetadata
-    from gpu_worker.ops.cuda_graphs import _StaticDecodeInputs
+    from gpu_worker.runner.cuda_graphs import _StaticDecodeInputs
 
     static = _StaticDecodeInputs(batch=4, max_blocks=6, device=torch.device("cpu"))
     i32 = dict(dtype=torch.int32)
@@ -148,7 +150,7 @@ def test_decode_graphs_stay_off_where_attention_falls_back_to_the_reference(head
     cache runs every step eagerly (and capture() touches no CUDA API)."""
     from types import SimpleNamespace
 
-    from gpu_worker.ops.cuda_graphs import DecodeGraphRunner
+    from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 
     cache = SimpleNamespace(k_caches=[torch.zeros(4, block_size, 2, head_dim, dtype=torch.float16)])
     calls = []
@@ -172,11 +174,11 @@ NVCC = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if
 def test_bf16_kernels_build_for_gpus_before_sm80(tmp_path):
     """bf16 is torch's default wherever it says bf16 is supported, sm_75 included: the bf16 kernels
     must not use sm_80-only instructions (cvt.rn.bf16.f32)."""
-    bf16 = [e for exprs in cuda.hot_name_expressions().values() for e in exprs if "bf16" in e]
-    for filename, expressions in cuda.hot_name_expressions().items():
+    bf16 = [e for exprs in kernels.hot_name_expressions().values() for e in exprs if "bf16" in e]
+    for filename, expressions in kernels.hot_name_expressions().items():
         keep = ", ".join(f"(void*)&{e}" for e in expressions if e in bf16)
         tu = tmp_path / f"{filename}_sm75.cu"
-        tu.write_text(f'#include "{cuda.KERNEL_DIR / filename}"\nvoid* keep[] = {{{keep}}};\n')
+        tu.write_text(f'#include "{kernels.KERNEL_DIR / filename}"\nvoid* keep[] = {{{keep}}};\n')
         proc = subprocess.run([NVCC, "-std=c++17", "-arch=sm_75", "-cubin", "-o", str(tu.with_suffix(".cubin")),
                                str(tu)], capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 0, f"{filename} for sm_75:\n{proc.stderr[-3000:]}"

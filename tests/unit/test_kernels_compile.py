@@ -1,6 +1,6 @@
-"""Every gpu_worker/kernels/*.cu compiles with nvcc for sm_80 and sm_90 (no GPU needed).
+"""Every gpu_worker/ops/cuda/*.cu compiles with nvcc for sm_80 and sm_90 (no GPU needed).
 
-The variants built are the ones `gpu_worker.ops.cuda.hot_name_expressions()` lists (at run time
+The variants built are the ones `gpu_worker.ops.cuda.kernels.hot_name_expressions()` lists (at run time
 NVRTC builds whichever a call needs). ptxas' register / spill / shared-memory report is printed
 per kernel; the hot kernels must not spill. Skipped, with the reason shown, when nvcc is missing.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import kernels
 
 ARCHS = ("sm_80", "sm_90")
 
@@ -38,19 +38,19 @@ _SMEM = re.compile(r"(\d+) bytes smem")
 
 def parse_ptxas(report: str) -> dict[str, dict[str, int]]:
     """ptxas -v output -> {mangled kernel: {regs, stack, spill_stores, spill_loads, smem}}."""
-    kernels: dict[str, dict[str, int]] = {}
+    found: dict[str, dict[str, int]] = {}
     current = None
     for line in report.splitlines():
         if m := _ENTRY.search(line):
-            current = kernels.setdefault(m.group(1), {"regs": 0, "stack": 0, "spill_stores": 0,
-                                                      "spill_loads": 0, "smem": 0})
+            current = found.setdefault(m.group(1), {"regs": 0, "stack": 0, "spill_stores": 0,
+                                                    "spill_loads": 0, "smem": 0})
         elif current is not None and (m := _SPILL.search(line)):
             current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         elif current is not None and (m := _REGS.search(line)):
             current["regs"] = int(m.group(1))
             if s := _SMEM.search(line):
                 current["smem"] = int(s.group(1))
-    return kernels
+    return found
 
 
 def _demangle(names: list[str]) -> list[str]:
@@ -79,15 +79,15 @@ def compile_report(cu_file: Path, expressions: list[str], arch: str, tmp_path: P
 
 
 def test_every_kernel_file_has_compiled_variants():
-    files = {p.name for p in cuda.KERNEL_DIR.glob("*.cu")}
-    assert files == set(cuda.hot_name_expressions()), "each .cu needs entries in hot_name_expressions()"
+    files = {p.name for p in kernels.KERNEL_DIR.glob("*.cu")}
+    assert files == set(kernels.hot_name_expressions()), "each .cu needs entries in hot_name_expressions()"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("filename", sorted(cuda.hot_name_expressions()))
+@pytest.mark.parametrize("filename", sorted(kernels.hot_name_expressions()))
 def test_compiles_without_spills(filename, arch, tmp_path, capsys):
-    expressions = cuda.hot_name_expressions()[filename]
-    report = compile_report(cuda.KERNEL_DIR / filename, expressions, arch, tmp_path)
+    expressions = kernels.hot_name_expressions()[filename]
+    report = compile_report(kernels.KERNEL_DIR / filename, expressions, arch, tmp_path)
     assert len(report) == len(expressions), f"expected {len(expressions)} kernels, ptxas built {sorted(report)}"
     names = _demangle(sorted(report))
     with capsys.disabled():

@@ -1,5 +1,5 @@
 """The kernel sources compile with NVRTC exactly as CuPy's RawModule feeds them at run time
-(common.cuh inlined, cuda.NVRTC_OPTIONS, template name expressions), without a GPU.
+(common.cuh inlined, kernels.NVRTC_OPTIONS, template name expressions), without a GPU.
 
 Needs libnvrtc (the `nvidia-cuda-nvrtc` wheel, or a CUDA toolkit); skipped with the reason otherwise.
 """
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import kernels
 
 
 def _find_libnvrtc() -> str | None:
@@ -73,14 +73,14 @@ class Nvrtc:
 
 
 @pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
-@pytest.mark.parametrize("filename", sorted(cuda.hot_name_expressions()))
+@pytest.mark.parametrize("filename", sorted(kernels.hot_name_expressions()))
 def test_nvrtc_compiles_kernel_file(filename, arch):
-    expressions = cuda.hot_name_expressions()[filename]
+    expressions = kernels.hot_name_expressions()[filename]
     if filename == "paged_attention.cu":  # fp32 decode (engine tests) and another block size
-        expressions = [*expressions, cuda.decode_kernel_name(__import__("torch").float32, 64, 16, 4),
-                       cuda.decode_kernel_name(__import__("torch").bfloat16, 128, 32, 4)]
-    ok, log, lowered = Nvrtc(LIB).compile(cuda.kernel_source(filename), filename,
-                                          [*cuda.NVRTC_OPTIONS, f"--gpu-architecture={arch}"], expressions)
+        expressions = [*expressions, kernels.decode_kernel_name(__import__("torch").float32, 64, 16, 4),
+                       kernels.decode_kernel_name(__import__("torch").bfloat16, 128, 32, 4)]
+    ok, log, lowered = Nvrtc(LIB).compile(kernels.kernel_source(filename), filename,
+                                          [*kernels.NVRTC_OPTIONS, f"--gpu-architecture={arch}"], expressions)
     assert ok, f"NVRTC failed on {filename}:\n{log}"
     assert set(lowered) == set(expressions) and all(v.startswith("_Z") for v in lowered.values())
     assert "warning" not in log.lower(), log

@@ -22,7 +22,8 @@ from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.loader import load_model
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import inv_freq
-from gpu_worker.ops import cpu_block_linear, quantized_linear
+from gpu_worker.ops.cpu import block_linear as cpu_block_linear
+from gpu_worker.ops.weights import quantized_linear
 
 Q8 = gguf.GGMLQuantizationType.Q8_0
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -10,7 +10,8 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import packed_linear
+from gpu_worker.ops.cpu.backend import CpuBackend
+from gpu_worker.ops.weights import packed_linear
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="torch build without oneDNN prepacking")
 
@@ -59,7 +60,7 @@ def test_prepacked_model_gives_the_same_logits():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     packed = LlamaModel(config, "cpu", torch.float32)
     packed.load_state_dict(plain.state_dict())
-    assert packed.prepack_for_cpu()
+    assert CpuBackend().prepare_weights(packed, "none")
     assert packed.layers[0].qkv_weight.is_mkldnn and packed.lm_head.is_mkldnn
     assert not packed.embed.is_mkldnn  # the embedding lookup keeps the plain table
 

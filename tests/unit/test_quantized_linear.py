@@ -1,6 +1,6 @@
 """Weight-only int8 / int4 CPU linears: close to F.linear, compact, and each row independent of the batch.
 
-int4 runs as GGUF Q4_1 blocks on the C kernel (ops/cpu_block_linear.c) where it builds, else on
+int4 runs as GGUF Q4_1 blocks on the C kernel (ops/cpu/block_linear.c) where it builds, else on
 torch's int4 kernel; both are checked here, and the Q8_0 vocab head beside them."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cpu_block_linear, packed_linear, quantized_linear
-from gpu_worker.ops.quantized_linear import Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight
+from gpu_worker.ops.cpu import block_linear as cpu_block_linear
+from gpu_worker.ops.cpu.backend import CpuBackend
+from gpu_worker.ops.weights import packed_linear, quantized_linear
+from gpu_worker.ops.weights.quantized_linear import Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight
 
 FORMATS = sorted(quantized_linear.FORMATS)
 needs_block_kernel = pytest.mark.skipif(cpu_block_linear.library() is None,
@@ -166,7 +168,7 @@ def test_quantized_model_gives_close_logits(fmt):
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     quantized = LlamaModel(config, "cpu", torch.float32)
     quantized.load_state_dict(plain.state_dict())
-    assert quantized.prepack_for_cpu(fmt)
+    assert CpuBackend().prepare_weights(quantized, fmt)
     block_kernel = cpu_block_linear.library() is not None
     layer_class = Q4_1Weight if fmt == "int4" and block_kernel else quantized_linear.FORMATS[fmt]
     assert type(quantized.layers[0].qkv_weight) is layer_class

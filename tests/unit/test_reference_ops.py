@@ -8,8 +8,9 @@ import torch
 from gpu_worker import ops as ops_pkg
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
-from gpu_worker.ops import cpu as cpu_ops
 from gpu_worker.ops import reference as ref
+from gpu_worker.ops.cpu import layer_ops as cpu_ops
+from gpu_worker.ops.cpu.backend import CpuBackend
 
 BLOCK = 16
 HQ, HK, D = 6, 2, 32
@@ -177,8 +178,9 @@ def test_kv_cache_sizing_and_allocation():
     assert (cache.num_blocks, cache.block_size, cache.nbytes()) == (10, 16, 10 * 6144)
 
 
-def test_get_ops_and_select_device():
-    assert ops_pkg.get_ops("cpu") is cpu_ops
+def test_get_backend_and_select_device():
+    assert isinstance(ops_pkg.get_backend("cpu"), CpuBackend)
+    assert ops_pkg.get_backend("cpu").rms_norm is cpu_ops.rms_norm
     assert ops_pkg.select_device("cpu") == "cpu"
     if not torch.cuda.is_available():
         assert ops_pkg.select_device("auto") == "cpu"

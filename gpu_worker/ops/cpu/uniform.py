@@ -1,4 +1,4 @@
-"""ctypes binding of cpu_uniform.c: rows of torch.rand's own CPU stream, one seed a row, in C.
+"""ctypes binding of uniform.c: rows of torch.rand's own CPU stream, one seed a row, in C.
 
 `uniform_rows(seeds, n)` equals stacking `torch.rand(n, generator=torch.Generator().manual_seed(s))`
 for each seed, bit for bit (tests/unit/test_cpu_uniform.py), in about a tenth of the time a row on
@@ -13,15 +13,15 @@ import functools
 
 import torch
 
-from gpu_worker.ops import cpu_kernels
+from gpu_worker.ops.cpu import build
 
 _SIGNATURE = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p, ctypes.c_int], None)
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
-    return cpu_kernels.bind("cpu_uniform", {"uniform_rows_f32": _SIGNATURE})
+    """The compiled kernel (ops/cpu/build.py), built on first use; None where it cannot be built."""
+    return build.bind("uniform", {"uniform_rows_f32": _SIGNATURE})
 
 
 def uniform_rows(seeds: list[int], n: int) -> torch.Tensor:

@@ -3,7 +3,7 @@
  * init_genrand, as ATen's at::mt19937 does), each float the low 24 bits of one 32-bit output
  * times 2^-24 (ATen's uniform_real_distribution<float>).
  *
- * Built by gpu_worker/ops/cpu_kernels.py, called through ctypes by cpu_uniform.py. torch draws
+ * Built by gpu_worker/ops/cpu/build.py, called through ctypes by uniform.py. torch draws
  * one float per call of its serial kernel (~8 ns a float here); the sampler's noise is a row of
  * vocab size per sampled sequence and step, 49k floats for SmolLM2. Here the state is twisted
  * 624 words at a time in loops the compiler vectorizes, and rows run on several threads.

@@ -1,4 +1,4 @@
-"""ctypes binding of cpu_block_linear.c: x [M, K] fp32 @ a block-quantized weight [N, K] -> [M, N] fp32.
+"""ctypes binding of block_linear.c: x [M, K] fp32 @ a block-quantized weight [N, K] -> [M, N] fp32.
 
 A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P * pair bytes]
 (Q4_1: 4-bit, 32 bytes a pair; Q8_0: int8, 64 bytes a pair, both in the order the kernel widens
@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from gpu_worker.ops import cpu_kernels
+from gpu_worker.ops.cpu import build
 
 BLOCK = 32
 KINDS = ("q4_1", "q8_0")
@@ -32,7 +32,7 @@ SINGLE_THREAD_ROWS = 1
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be built (no compiler, no AVX2/FMA/F16C)."""
-    return cpu_kernels.bind("cpu_block_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
+    return build.bind("block_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
 
 
 def threads_for(rows: int) -> int:
@@ -50,7 +50,7 @@ def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
     fn = getattr(library(), f"{kind}_linear_f32")
-    with cpu_kernels.traced(f"cpu_{kind}_linear"):
+    with build.traced(f"cpu_{kind}_linear"):
         rc = fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
                 out.data_ptr(), rows, out_features, in_features, threads_for(rows))
     if rc != 0:

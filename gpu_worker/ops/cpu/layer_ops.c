@@ -2,7 +2,7 @@
  * ops: at one decoding sequence a layer's norms, rotary embedding and cache write were ~25 torch
  * dispatches, more time than their arithmetic (see gpu_worker/ops/cpu.py).
  *
- * Built by gpu_worker/ops/cpu_kernels.py with the system C compiler, called through ctypes.
+ * Built by gpu_worker/ops/cpu/build.py with the system C compiler, called through ctypes.
  * Single-threaded but for silu_and_mul: a step's tensors here are at most a few MB. Every row is
  * computed by the same loop whatever T is, so a token's result does not depend on what it is
  * batched with.

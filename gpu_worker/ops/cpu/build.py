@@ -1,10 +1,10 @@
 """Small C kernels for the CPU path, compiled once and called through ctypes.
 
-Each kernel is one C file beside this module (`cpu_*.c`; one may #include another), compiled with
+Each kernel is one C file beside this module (`*.c`; one may #include another), compiled with
 the system C compiler (`cc`, OpenMP) into `<cache_dir>/cpu_kernels/`, keyed by a hash of all the
 sources and the flags; no torch headers, so a build takes about a second. On x86-64 the target
 is x86-64-v3 (AVX2, FMA, F16C), not the build machine's own CPU, so a file built once
-(`python -m gpu_worker.ops.cpu_kernels`, as the container image does at build time) runs on any
+(`python -m gpu_worker.ops.cpu.build`, as the container image does at build time) runs on any
 AVX2 machine; a CPU without AVX2 gets none of them. Where there is no compiler and no prebuilt
 file, or a file does not build for this CPU, `load` returns None and the caller runs its torch
 fallback.
@@ -37,7 +37,7 @@ CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-
 
 def _sources() -> list[Path]:
     """Every kernel source beside this module."""
-    return sorted(Path(__file__).parent.glob("cpu_*.c"))
+    return sorted(Path(__file__).parent.glob("*.c"))
 
 
 KERNELS = [path.stem for path in _sources()]

@@ -5,7 +5,7 @@ SmolLM2-135M's 30 layers are 424 MB in fp32, 106 MB in int8 and 73 MB in int4 (s
 
     format  weight                                    kernel
     int8    q [N, K] int8, scale [N] (per row)        aten._weight_int8pack_mm (bf16 activations)
-    int4    GGUF Q4_1 blocks: 4-bit codes in groups   the C kernel of ops/cpu_block_linear.py
+    int4    GGUF Q4_1 blocks: 4-bit codes in groups   the C kernel of ops/cpu/block_linear.py
             of 32 along K, fp16 scale, fp32 offset    (16-bit activation codes, fp32 out), else
                                                       aten._weight_int4pack_mm_for_cpu (bf16)
     (head)  GGUF Q8_0 blocks beside int4              the same C kernel
@@ -22,8 +22,8 @@ on what it is batched with, as with the prepacked fp32 path.
 
 On CUDA, int8 has the same weight (`CudaInt8Weight`: q [N, K] int8, scale [N] fp32) and runs
 in the activations' dtype: decode-sized calls on a CuPy kernel that reads the int8 rows and
-widens them in registers (gpu_worker/kernels/int8_gemv.cu), prefill-sized ones dequantize
-and use cuBLAS (gpu_worker.ops.cuda.int8_linear). A decode batch's rows are the same bits for
+widens them in registers (gpu_worker/ops/cuda/int8_gemv.cu), prefill-sized ones dequantize
+and use cuBLAS (gpu_worker.ops.cuda.ops.int8_linear). A decode batch's rows are the same bits for
 any batch of up to INT8_GEMV_MAX_TOKENS sequences; a larger decode batch takes the cuBLAS path,
 so batch invariance on CUDA int8 holds up to that size (`--quantization auto` leaves CUDA weights as they are).
 """
@@ -33,10 +33,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.ops import cpu_block_linear
+from gpu_worker.ops.cpu import block_linear
 
 ACT_DTYPE = torch.bfloat16
-GROUP = cpu_block_linear.BLOCK  # weights per quantization group along K (a GGUF block)
+GROUP = block_linear.BLOCK  # weights per quantization group along K (a GGUF block)
 _INT4_INNER_K_TILES = 2  # the packed layout's K tiling; K must be a multiple of 16 * this
 
 
@@ -122,13 +122,13 @@ class Int4Weight(QuantizedWeight):
 
 
 class BlockWeight(QuantizedWeight):
-    """A weight in blocks of 32 on the C kernel (ops/cpu_block_linear.py), fp32 in and out."""
+    """A weight in blocks of 32 on the C kernel (ops/cpu/block_linear.py), fp32 in and out."""
 
     kind: str
     offsets: torch.Tensor | None
 
-    def __init__(self, packed: cpu_block_linear.Packed, out_features: int, in_features: int) -> None:
-        """packed: (codes, scales, offsets) as cpu_block_linear.pack_* gives them."""
+    def __init__(self, packed: block_linear.Packed, out_features: int, in_features: int) -> None:
+        """packed: (codes, scales, offsets) as block_linear.pack_* gives them."""
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
         codes, scales, offsets = packed
@@ -137,7 +137,7 @@ class BlockWeight(QuantizedWeight):
         self.register_buffer("offsets", offsets)  # [N, 2P] fp16 or None
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = cpu_block_linear.linear(self.kind, x.float(), self.codes, self.scales, self.offsets, self.out_features)
+        out = block_linear.linear(self.kind, x.float(), self.codes, self.scales, self.offsets, self.out_features)
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out if bias is None else out + bias
 
@@ -150,7 +150,7 @@ class Q4_1Weight(BlockWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: [N, K] float, K a multiple of 32."""
         codes, scale, low = int4_groups(weight)
-        super().__init__(cpu_block_linear.pack_q4_1(codes, scale, low), *weight.shape)
+        super().__init__(block_linear.pack_q4_1(codes, scale, low), *weight.shape)
 
 
 class Q8_0Weight(BlockWeight):
@@ -163,7 +163,7 @@ class Q8_0Weight(BlockWeight):
         groups = _groups(weight, "q8_0")  # [N, K/32, 32]
         d = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)  # [N, K/32]
         codes = torch.round(groups / d[..., None]).clamp(-127, 127)
-        super().__init__(cpu_block_linear.pack_q8_0(codes, d), *weight.shape)
+        super().__init__(block_linear.pack_q8_0(codes, d), *weight.shape)
 
 
 class CudaInt8Weight(QuantizedWeight):
@@ -178,7 +178,7 @@ class CudaInt8Weight(QuantizedWeight):
         self.register_buffer("scale", scale)  # [N] fp32
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from gpu_worker.ops import cuda  # CuPy: imported only where a GPU model runs
+        from gpu_worker.ops.cuda import ops as cuda  # CuPy: imported only where a GPU model runs
 
         out = cuda.int8_linear(x, self.q, self.scale)
         return out if bias is None else out + bias
@@ -192,7 +192,7 @@ def default_format(device: torch.device, in_features: list[int]) -> str:
     """What --quantization auto means for a model whose GEMMs take `in_features`: int4 on the CPU where
     the block kernel builds and every width is a multiple of 32 (its greedy tokens match fp32's and it
     is the fastest CPU format, README), else none."""
-    if device.type == "cpu" and cpu_block_linear.library() is not None and all(
+    if device.type == "cpu" and block_linear.library() is not None and all(
             k % GROUP == 0 for k in in_features):
         return "int4"
     return "none"
@@ -201,7 +201,7 @@ def default_format(device: torch.device, in_features: list[int]) -> str:
 def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
     """A float CPU weight [N, K] -> the same linear in format `fmt` (a key of FORMATS); int4 runs as
     Q4_1 blocks on the C kernel where it builds, else on torch's int4 kernel."""
-    if fmt == "int4" and cpu_block_linear.library() is not None:
+    if fmt == "int4" and block_linear.library() is not None:
         return Q4_1Weight(weight)
     return FORMATS[fmt](weight)
 
@@ -209,6 +209,6 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
 def quantize_head(weight: torch.Tensor, fmt: str) -> QuantizedWeight | None:
     """The vocab head for layers in format `fmt`: Q8_0 blocks beside int4 on the C kernel (a GGUF's
     own head format, fp32 logits), else None (the head stays fp32)."""
-    if fmt == "int4" and cpu_block_linear.library() is not None and weight.shape[1] % GROUP == 0:
+    if fmt == "int4" and block_linear.library() is not None and weight.shape[1] % GROUP == 0:
         return Q8_0Weight(weight)
     return None

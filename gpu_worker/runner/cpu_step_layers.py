@@ -1,10 +1,11 @@
-"""ctypes binding of cpu_step_layers.c: every decoder layer of a CPU step in one call.
+"""Every decoder layer of a CPU step in one C call (ops/cpu/step_layers.c), in place of the model's layers.
 
-`StepLayers.build(model)` is what LlamaModel.prepack_for_cpu keeps where this applies: an fp32
-model whose layers' four GEMM weights are all Q4_1 blocks (int4 on the block kernel, the CPU
-default), without a QKV bias. `takes(...)` says whether a step can run here (an fp32 KV cache):
-decodes, prefill chunks and both together. The C file calls the same kernels the Python path
-(llama.py over ops/cpu.py) calls, so both give the same bits for a token. A prefill step of
+`StepLayers.build(model)` is what the runner keeps where this applies: an fp32 model whose layers'
+four GEMM weights are all Q4_1 blocks (int4 on the block kernel, the CPU default, as
+CpuBackend.prepare_weights leaves them), without a QKV bias. `takes(...)` says whether a step can
+run here (an fp32 KV cache): decodes, prefill chunks and both together. The C file calls the same
+kernels the Python path (llama.py over the CPU backend) calls, so both give the same bits for a
+token. A prefill step of
 SmolLM2 int4 in-process took 12.5 ms here against 24 on the Python path for 3 tokens, 21 against
 34 for 7 (the rest of a prompt from the prefix cache), 94 against 124 for 40, 313 against 349 for
 128 (medians of 5).
@@ -13,26 +14,17 @@ SmolLM2 int4 in-process took 12.5 ms here against 24 on the Python path for 3 to
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from gpu_worker.model.kv_cache import KVCache
+from gpu_worker.model.llama import GEMMS, LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cpu_attention, cpu_block_linear, cpu_kernels
-from gpu_worker.ops.quantized_linear import Q4_1Weight
+from gpu_worker.ops.cpu import block_linear, build, paged_attention, step_layers
+from gpu_worker.ops.weights.quantized_linear import Q4_1Weight
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_ARGS = [_I] * 7 + [_P] * 12 + [_I, _P, _I, _P, _I, _F, _F, _I]
-GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # the C file's order
 NORMS = ("input_norm", "post_norm")
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
-    return cpu_kernels.bind("cpu_step_layers", {"step_layers_q4_1_f32": (_ARGS, ctypes.c_int)})
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -43,7 +35,10 @@ class StepLayers:
     """The layers of one prepacked model as the C file takes them: pointers to its weights, which
     stay where they are from now on (a prepacked model is inference-only; `_tensors` keeps them alive)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: LlamaModel) -> None:
+        library = step_layers.library()
+        assert library is not None, "build() checks that the kernel is built"
+        self._run = library.step_layers_q4_1_f32
         self.config = model.config
         self.num_layers = len(model.layers)
         weights = [getattr(layer, name) for layer in model.layers for name in GEMMS]
@@ -56,13 +51,14 @@ class StepLayers:
         self._norms = _pointers(norms)
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> StepLayers | None:
+    def build(cls, model: LlamaModel) -> StepLayers | None:
         """The model's layers for the C file, or None where it does not apply to this model."""
         layers = model.layers
-        applies = (
-            model.dtype == torch.float32 and library() is not None
+        applies = (  # the kernel is built last: only where the weights are its own
+            model.dtype == torch.float32
             and all(layer.qkv_bias is None for layer in layers)
             and all(isinstance(getattr(layer, name), Q4_1Weight) for layer in layers for name in GEMMS)
+            and step_layers.library() is not None
         )
         return cls(model) if applies else None
 
@@ -79,15 +75,15 @@ class StepLayers:
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         tables, lens = _token_queries(meta)
         out, residual = torch.empty_like(h), torch.empty_like(h)
-        with cpu_kernels.traced("cpu_step_layers"):
-            rc = library().step_layers_q4_1_f32(
+        with build.traced("cpu_step_layers"):
+            rc = self._run(
                 self.num_layers, h.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 c.intermediate_size, h.data_ptr(), out.data_ptr(), residual.data_ptr(),
                 self._weights, self._scales, self._offsets, self._norms,
                 _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
                 positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],
-                c.head_dim**-0.5, c.rms_norm_eps, cpu_block_linear.threads_for(h.shape[0]),
+                c.head_dim**-0.5, c.rms_norm_eps, block_linear.threads_for(h.shape[0]),
             )
         if rc != 0:
             raise MemoryError("cpu step layers: no memory for the step's scratch")
@@ -99,7 +95,7 @@ def _token_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]
     the context each sees [T], both int32 (a prefill token sees its sequence up to itself)."""
     tables, lens = meta.decode_block_tables.to(torch.int32), meta.decode_context_lens.to(torch.int32)
     if meta.num_prefills:
-        prefill_tables, prefill_lens = cpu_attention.prefill_token_queries(
+        prefill_tables, prefill_lens = paged_attention.prefill_token_queries(
             meta.prefill_block_tables, meta.prefill_query_start_loc, meta.prefill_context_lens)
         width = max(tables.shape[1], prefill_tables.shape[1])
         tables = torch.cat([F.pad(prefill_tables.to(torch.int32), (0, width - prefill_tables.shape[1])),

@@ -1,4 +1,4 @@
-"""Paged attention on the CPU that reads K/V blocks in place (cpu_paged_attention.c).
+"""Paged attention on the CPU that reads K/V blocks in place (paged_attention.c).
 
 The torch reference (`reference.paged_decode_attention`) first gathers every decoding
 sequence's blocks into a dense [B, L, Hk, D] copy, then runs SDPA over it: at 32 sequences
@@ -12,7 +12,7 @@ instead of a gather, a mask and an SDPA per sequence. All 30 layers of a SmolLM2
 threads: 73 tokens 23-24 ms (the reference 31-38), 256 tokens 94-97 (105-136), 512 tokens
 269-309 (231-306).
 
-The kernel is a small C file built on first use (ops/cpu_kernels.py). Where it cannot be
+The kernel is a small C file built on first use (ops/cpu/build.py). Where it cannot be
 built, or the cache is not fp32, both functions fall back to the reference.
 """
 
@@ -23,15 +23,16 @@ import functools
 
 import torch
 
-from gpu_worker.ops import cpu_kernels, reference
+from gpu_worker.ops import reference
+from gpu_worker.ops.cpu import build
 
 _ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel (ops/cpu_kernels.py), built on first use; None where it cannot be built."""
-    return cpu_kernels.bind("cpu_paged_attention", {"paged_decode_attention_f32": (_ARGS, ctypes.c_int)})
+    """The compiled kernel (ops/cpu/build.py), built on first use; None where it cannot be built."""
+    return build.bind("paged_attention", {"paged_decode_attention_f32": (_ARGS, ctypes.c_int)})
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -59,7 +60,7 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
-    with cpu_kernels.traced("cpu_paged_decode_attention"):
+    with build.traced("cpu_paged_decode_attention"):
         rc = lib.paged_decode_attention_f32(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
             num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1],

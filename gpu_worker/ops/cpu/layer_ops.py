@@ -1,28 +1,25 @@
-"""The CPU ops backend: the torch reference, with small C kernels for the ops a step runs per layer.
+"""The CPU backend's per-layer small ops, each one ctypes call into layer_ops.c.
 
 A decode step of one sequence spends more time dispatching small torch ops than computing them
 (about 40 dispatches per layer for two norms, the rotary embedding and the cache write). Here each,
-and silu_and_mul, is one ctypes call into cpu_layer_ops.c, and paged attention (decode and
-prefill) reads the cache in place (cpu_attention.py). Same contract as `reference` (see
-gpu_worker/ops/__init__.py); where a C kernel cannot be built, or a tensor is not fp32 with
-contiguous heads, the reference op runs.
+and silu_and_mul, is one ctypes call into layer_ops.c (paged attention reads the cache in place:
+paged_attention.py). Same contract as `reference` (gpu_worker/ops/backend.py); where a C kernel
+cannot be built, or a tensor is not fp32 with contiguous heads, the reference op runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Any
 
 import torch
 
-from gpu_worker.ops import cpu_kernels, reference
-from gpu_worker.ops.cpu_attention import paged_decode_attention, paged_prefill_attention
-
-__all__ = ["fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "rotary_embedding", "silu_and_mul", "write_kv_cache"]
+from gpu_worker.ops import reference
+from gpu_worker.ops.cpu import build
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
+_SIGNATURES: dict[str, tuple[list[Any], type | None]] = {
     "rms_norm_f32": ([_P, _L, _P, _L, _P, _P, _P, _I, _I, _F], None),
     "rotary_f32": ([_P, _L, _P, _L, _P, _P, _P, _P, _I, _I, _I, _I, _I], None),
     "write_kv_f32": ([_P, _L, _P, _L, _P, _P, _P, _I, _I], None),
@@ -32,8 +29,15 @@ _SIGNATURES = {
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels (ops/cpu_kernels.py), built on first use; None where they cannot be built."""
-    return cpu_kernels.bind("cpu_layer_ops", _SIGNATURES)
+    """The compiled kernels (ops/cpu/build.py), built on first use; None where they cannot be built."""
+    return build.bind("layer_ops", _SIGNATURES)
+
+
+def _kernels() -> ctypes.CDLL:
+    """library(), for a caller that `_rows` let through (so it is built)."""
+    lib = library()
+    assert lib is not None
+    return lib
 
 
 def _rows(*tensors: torch.Tensor) -> bool:
@@ -51,7 +55,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.shape[0] == 0 or not _rows(x, weight):
         return reference.rms_norm(x, weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
-    library().rms_norm_f32(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), None,
+    _kernels().rms_norm_f32(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), None,
                            x.shape[0], x.shape[1], eps)
     return out
 
@@ -63,7 +67,7 @@ def fused_add_rms_norm(
     if x.shape[0] == 0 or not _rows(x, residual, weight):
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     out, total = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
-    library().rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+    _kernels().rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
                            out.data_ptr(), total.data_ptr(), x.shape[0], x.shape[1], eps)
     return out, total
 
@@ -78,7 +82,7 @@ def rotary_embedding(
     positions = positions.contiguous()
     num_tokens, num_heads, head_dim = q.shape
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-    library().rotary_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
+    _kernels().rotary_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), positions.data_ptr(),
                          cos_sin.contiguous().data_ptr(), q_out.data_ptr(), k_out.data_ptr(), num_tokens, num_heads,
                          k.shape[1], head_dim, int(interleaved))
     return q_out, k_out
@@ -90,7 +94,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(x)
     inter = x.shape[1] // 2
     out = torch.empty(x.shape[0], inter, dtype=x.dtype)
-    library().silu_and_mul_f32(x.data_ptr(), x.shape[0], inter, out.data_ptr(), torch.get_num_threads())
+    _kernels().silu_and_mul_f32(x.data_ptr(), x.shape[0], inter, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -104,5 +108,5 @@ def write_kv_cache(
                     and v_cache.is_contiguous())):
         return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     slots = slot_mapping.contiguous()
-    library().write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+    _kernels().write_kv_f32(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
                            k_cache.data_ptr(), v_cache.data_ptr(), k.shape[0], k.shape[1] * k.shape[2])

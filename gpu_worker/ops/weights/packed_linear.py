@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.ops.quantized_linear import QuantizedWeight
+from gpu_worker.ops.weights.quantized_linear import QuantizedWeight
 
 BATCH_HINT = 16  # rows the blocked layout is tuned for; any M works
 

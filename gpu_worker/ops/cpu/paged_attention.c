@@ -1,8 +1,8 @@
 /* Paged decode attention on the CPU: one query token per sequence over its cached context,
  * reading K/V blocks where they lie in the paged cache (no dense gather copy).
  *
- * Built by gpu_worker/ops/cpu_attention.py with the system C compiler, called through ctypes.
- * Work item = one query (a decoding sequence, or one token of a prefill, cpu_attention.py).
+ * Built by gpu_worker/ops/cpu/paged_attention.py with the system C compiler, called through ctypes.
+ * Work item = one query (a decoding sequence, or one token of a prefill, paged_attention.py).
  * Every item runs the same loop whatever the batch holds, so a query's output does not
  * depend on what it is batched with.
  */

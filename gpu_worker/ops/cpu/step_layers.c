@@ -1,7 +1,7 @@
 /* Every decoder layer of a CPU step in one call, for Llama-family models whose four GEMM weights
- * per layer are Q4_1 blocks (cpu_block_linear.c) and whose KV cache is fp32.
+ * per layer are Q4_1 blocks (block_linear.c) and whose KV cache is fp32.
  *
- * Built by gpu_worker/ops/cpu_kernels.py, called through ctypes by cpu_step_layers.py. At one
+ * Built by gpu_worker/ops/cpu/build.py, called through ctypes by step_layers.py. At one
  * sequence a layer's own arithmetic takes about 0.3 ms, and the Python around its ten kernel
  * calls (views, allocations, argument checks, ctypes) took about 0.2 ms more; here that Python
  * runs once a step instead of once a layer. A step's tokens are T queries, each with its own
@@ -25,9 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_block_linear.c"
-#include "cpu_layer_ops.c"
-#include "cpu_paged_attention.c"
+#include "block_linear.c"
+#include "layer_ops.c"
+#include "paged_attention.c"
 
 enum { QKV, O, GATE_UP, DOWN, WEIGHTS_PER_LAYER };
 enum { INPUT_NORM, POST_NORM, NORMS_PER_LAYER };

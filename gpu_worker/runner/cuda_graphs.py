@@ -16,11 +16,12 @@ model is never captured, every step runs eagerly (`eager_only_reason`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import cuda
+from gpu_worker.ops.cuda import kernels
 
 
 def eager_only_reason(kv_cache) -> str | None:
@@ -29,7 +30,7 @@ def eager_only_reason(kv_cache) -> str | None:
     context lengths on the host, and a host sync inside capture fails."""
     _, block_size, _, head_dim = kv_cache.k_caches[0].shape
     dtype = kv_cache.k_caches[0].dtype
-    if cuda.decode_kernel_supports(head_dim, block_size, dtype):
+    if kernels.decode_kernel_supports(head_dim, block_size, dtype):
         return None
     return f"no decode kernel for head_dim {head_dim}, block_size {block_size}, {dtype}"
 
@@ -38,7 +39,8 @@ class _StaticDecodeInputs:
     """The device buffers one captured graph reads; copied into before every replay."""
 
     def __init__(self, batch: int, max_blocks: int, device: torch.device) -> None:
-        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.int64, device=device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=device)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(batch, **i64)                    # [B]
         self.positions = torch.zeros(batch, **i64)                    # [B]
         self.slot_mapping = torch.full((batch,), -1, **i64)           # [B]
@@ -86,7 +88,7 @@ class DecodeGraphRunner:
         self._inputs: dict[int, _StaticDecodeInputs] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool (torch's opaque handle) once one is captured
         self.disabled_reason = eager_only_reason(kv_cache)
 
     def capture(self) -> None:
