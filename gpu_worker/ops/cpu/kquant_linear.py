@@ -1,6 +1,6 @@
-"""ctypes binding of cpu_kquant_linear.c: x [M, K] fp32 @ a 2- to 6-bit GGUF weight [N, K] -> [M, N] fp32.
+"""ctypes binding of kquant_linear.c: x [M, K] fp32 @ a 2- to 6-bit GGUF weight [N, K] -> [M, N] fp32.
 
-`pack(parts)` repacks ops/gguf_blocks.Parts losslessly into what the kernel reads: the codes in bit
+`pack(parts)` repacks ops/weights/gguf_blocks.Parts losslessly into what the kernel reads: the codes in bit
 planes, b bits a weight ([N, P * 8 b] uint8, P = ceil(K / 64) pairs of blocks), and the file's
 scales: legacy types d and offset [N, 2P] fp32; K types d and dmin [N, K/256] fp32 with sc and mn
 [N, K/16] int8. See the C file for the layout.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_worker.ops import cpu_block_linear, cpu_kernels
-from gpu_worker.ops.gguf_blocks import K_TYPES, Parts
+from gpu_worker.ops.cpu import block_linear, build
+from gpu_worker.ops.weights.gguf_blocks import K_TYPES, Parts
 
 LEGACY_BITS = (4, 5)
 K_BITS = (2, 3, 4, 5, 6)
@@ -30,7 +30,7 @@ PLANES = {2: (("crumb", 0),), 3: (("crumb", 0), ("bit", 2)), 4: (("nibble", 0),)
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be built."""
-    return cpu_kernels.bind("cpu_kquant_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
+    return build.bind("kquant_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def _torch(a: np.ndarray) -> torch.Tensor:
 
 
 def pack(parts: Parts) -> Packed:
-    """Parts of a 2- to 6-bit type -> Packed (Q4_1 and Q8_0 have their own kernel, cpu_block_linear)."""
+    """Parts of a 2- to 6-bit type -> Packed (Q4_1 and Q8_0 have their own kernel, cpu/block_linear.py)."""
     codes = _torch(pack_codes(parts.codes.astype(np.uint8), parts.bits))
     if parts.ggml_type in K_TYPES:
         return Packed(f"k{parts.bits}", codes, _torch(parts.d), _torch(parts.offset), _torch(parts.sc),
@@ -98,9 +98,9 @@ def linear(x: torch.Tensor, w: Packed, out_features: int) -> torch.Tensor:
     out = torch.empty(rows, out_features, dtype=torch.float32)
     fn = getattr(library(), f"{w.kind}_linear_f32")
     sc, mn = (None, None) if w.sc is None else (w.sc.data_ptr(), w.mn.data_ptr())
-    with cpu_kernels.traced(f"cpu_{w.kind}_linear"):
+    with build.traced(f"cpu_{w.kind}_linear"):
         rc = fn(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), w.offset.data_ptr(), sc, mn, out.data_ptr(),
-                rows, out_features, in_features, cpu_block_linear.threads_for(rows))
+                rows, out_features, in_features, block_linear.threads_for(rows))
     if rc != 0:
         raise MemoryError(f"cpu {w.kind} linear: no memory for the {rows} x {in_features} activation codes")
     return out

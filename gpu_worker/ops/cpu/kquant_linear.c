@@ -1,11 +1,11 @@
-/* Linear layers over the GGUF types of 2 to 6 bits (ops/gguf_blocks.py), losslessly repacked:
- * fp32 activations in, fp32 out, integer dot products inside, as cpu_block_linear.c does for Q4_1.
+/* Linear layers over the GGUF types of 2 to 6 bits (ops/weights/gguf_blocks.py), losslessly repacked:
+ * fp32 activations in, fp32 out, integer dot products inside, as block_linear.c does for Q4_1.
  *
  * A weight [N, K] is N rows of P = ceil(K/64) pairs of 32-weight blocks A and B (a padding block is
  * all zero), w = scale * code + offset per sub-block. The codes of a pair are b bits a weight, in
- * bit planes that widen into cpu_block_linear.c's four vectors of 16 int16 codes
- * [A 8c..8c+7 | B 8c..8c+7], c = 0..3 (gguf_blocks_pack.py packs them):
- *   nibble plane, 32 bytes: the low 4 bits as cpu_block_linear.c's Q4_1 codes
+ * bit planes that widen into block_linear.c's four vectors of 16 int16 codes
+ * [A 8c..8c+7 | B 8c..8c+7], c = 0..3 (kquant_linear.py packs them):
+ *   nibble plane, 32 bytes: the low 4 bits as block_linear.c's Q4_1 codes
  *   crumb plane, 16 bytes: A's 8 bytes, then B's; byte i holds 2 bits of weight 8c + i at bits 2c
  *   bit plane, 8 bytes: A's 4 bytes, then B's; byte c holds 1 bit of weights 8c..8c+7 at bits 0..7
  *   b = 2: crumbs; 3: crumbs, bits (x4); 4: nibbles; 5: nibbles, bits (x16); 6: nibbles, crumbs (x16)
@@ -14,17 +14,17 @@
  *   K types (Q2_K..Q6_K, K a multiple of 256): per row and super-block of 256 d and dmin [N, K/256]
  *         fp32, per 16 weights sc and mn [N, K/16] int8: scale = d * sc, offset = dmin * mn (exact)
  *
- * The input rows are quantized to 16-bit codes per block of 32 by cpu_block_linear.c's
+ * The input rows are quantized to 16-bit codes per block of 32 by block_linear.c's
  * quantize_rows. A pair's dot product is four 16-bit multiply-adds: int32 lanes 0-3 of the first
  * two belong to A's first 16 weights and lanes 4-7 to B's, of the last two to their second 16, so
  * each half is scaled lane-wise by its own sub-block scale (16-weight sub-blocks cost nothing
  * extra). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a pair.
  * Every partial integer sum is below 2^24 (codes <= 63, |x| <= 2^15 - 1, 4 products a lane).
  *
- * Blocking, threading and the prefetch are cpu_block_linear.c's, so a row's output is the same bits
+ * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
  * alone, in a decode batch or in a prefill chunk, for any thread count.
  */
-#include "cpu_block_linear.c"
+#include "block_linear.c"
 
 /* per input row and pair, xd * sum(codes) of its sub-blocks [A 0-15, A 16-31, B 0-15, B 16-31] */
 static void sub_block_sums(const QuantRows q, int M, int pairs, float *__restrict__ sums) {
