@@ -257,12 +257,14 @@ def test_file_blocks_dequantize_as_the_file_does(ggml_type):
 @needs_kquant_kernel
 def test_file_blocks_take_about_the_files_bytes():
     """Codes at the type's own bits; K types keep their two-level scales (int8 sc and mn per 16 weights, fp32
-    d and dmin per 256: 1.25 bits a weight more), legacy ones fp32 scale and offset per 32 (2 bits)."""
+    d and dmin per 256: 1.25 bits a weight more), legacy ones the file's own bytes (fp16 d, and m for Q5_1,
+    per 32)."""
     n, k = 64, 512
-    for ggml_type in (gguf_blocks.T.Q4_0, gguf_blocks.T.Q5_0, gguf_blocks.T.Q5_1, *gguf_blocks.K_TYPES):
+    extra = {gguf_blocks.T.Q4_0: 0.5, gguf_blocks.T.Q5_0: 0.5, gguf_blocks.T.Q5_1: 1.0}
+    for ggml_type in (*extra, *gguf_blocks.K_TYPES):
         bits = gguf_blocks.BITS[ggml_type]
-        extra = 1.25 if ggml_type in gguf_blocks.K_TYPES else 2
-        assert gguf_weight.cpu_weight([file_tensor(ggml_type, n, k, 0)]).nbytes == n * k * (bits + extra) / 8
+        extra_bits = extra.get(ggml_type, 1.25)
+        assert gguf_weight.cpu_weight([file_tensor(ggml_type, n, k, 0)]).nbytes == n * k * (bits + extra_bits) / 8
 
 
 @needs_kquant_kernel

@@ -10,7 +10,8 @@
  *   bit plane, 8 bytes: A's 4 bytes, then B's; byte c holds 1 bit of weights 8c..8c+7 at bits 0..7
  *   b = 2: crumbs; 3: crumbs, bits (x4); 4: nibbles; 5: nibbles, bits (x16); 6: nibbles, crumbs (x16)
  * Scales, two kinds:
- *   legacy (Q4_0, Q5_0, Q5_1): per row and block d [N, 2P] and offset [N, 2P] fp32
+ *   legacy (Q4_0, Q5_0, Q5_1): per row and block the file's fp16 d [N, 2P] and, for Q5_1, fp16 m
+ *         [N, 2P]; Q4_0 and Q5_0 have none and offset = -zero * d (zero 8 or 16, exact in fp32)
  *   K types (Q2_K..Q6_K, K a multiple of 256): per row and super-block of 256 d and dmin [N, K/256]
  *         fp32, per 16 weights sc and mn [N, K/16] int8: scale = d * sc, offset = dmin * mn (exact)
  *
@@ -90,10 +91,13 @@ typedef struct {
     __m128 off;
 } SubPair;
 
-/* The scales of one weight row: legacy (d, offset per block) or K (d, dmin per 256; sc, mn per 16). */
+/* The scales of one weight row: legacy (fp16 d and m, or NULL and a zero code, per block) or K (fp32 d
+ * and dmin per 256; int8 sc and mn per 16). */
 typedef struct {
     const float *d, *offset;
     const int8_t *sc, *mn;
+    const uint16_t *d16, *m16;
+    float zero;
 } RowScales;
 
 static inline void spread(SubPair *w, __m128 s4) {
@@ -102,9 +106,16 @@ static inline void spread(SubPair *w, __m128 s4) {
     w->hi = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
 }
 
+/* two fp16 values -> [a, b, 0, 0] fp32 (exact) */
+static inline __m128 f16x2(const uint16_t *p) {
+    uint32_t two;
+    __builtin_memcpy(&two, p, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+}
+
 static inline void legacy_scales(SubPair *w, RowScales s, int p) {
-    const __m128 d = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(s.d + 2 * p)));      /* dA dB */
-    const __m128 m = _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)(s.offset + 2 * p))); /* mA mB */
+    const __m128 d = f16x2(s.d16 + 2 * p); /* dA dB */
+    const __m128 m = s.m16 ? f16x2(s.m16 + 2 * p) : _mm_mul_ps(d, _mm_set1_ps(-s.zero)); /* mA mB */
     spread(w, _mm_unpacklo_ps(d, d));
     w->off = _mm_unpacklo_ps(m, m);
 }
@@ -161,17 +172,22 @@ static inline float hsum4(__m128 s) {
     }
 
 /* The scales of weight row n: legacy per block, K types per super-block and per 16 weights. */
-static inline RowScales row_scales(const float *d, const float *offset, const int8_t *sc, const int8_t *mn,
-                                   long n, int pairs) {
-    if (!sc) return (RowScales){d + n * 2 * pairs, offset + n * 2 * pairs, NULL, NULL};
-    return (RowScales){d + n * (pairs / 4), offset + n * (pairs / 4), sc + n * 4 * pairs, mn + n * 4 * pairs};
+static inline RowScales row_scales(const void *d, const void *offset, const int8_t *sc, const int8_t *mn,
+                                   float zero, long n, int pairs) {
+    if (!sc) {
+        const uint16_t *m16 = offset ? (const uint16_t *)offset + n * 2 * pairs : NULL;
+        return (RowScales){NULL, NULL, NULL, NULL, (const uint16_t *)d + n * 2 * pairs, m16, zero};
+    }
+    return (RowScales){(const float *)d + n * (pairs / 4), (const float *)offset + n * (pairs / 4),
+                       sc + n * 4 * pairs, mn + n * 4 * pairs, NULL, NULL, 0.f};
 }
 
-/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset fp32 and sc, mn int8 (NULL for legacy) as above;
+/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset (fp16 for legacy, offset NULL with a zero code; fp32 for
+ * K types) and sc, mn int8 (NULL for legacy) as above;
  * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
 #define DEFINE_SUB_LINEAR(NAME, TILE, PAIR_BYTES)                                                            \
-    int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const float *__restrict__ d,      \
-             const float *__restrict__ offset, const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,  \
+    int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const void *d, const void *offset, \
+             const int8_t *__restrict__ sc, const int8_t *__restrict__ mn, float zero,                        \
              float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
         QuantRows q = {malloc(sizeof(int16_t) * (size_t)M * pairs * PAIR),                                   \
@@ -191,7 +207,7 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
             for (int r = 0; r < M; r += ROW_TILE) {                                                          \
                 for (int n = n0; n < n1; n++) {                                                              \
                     const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                                \
-                    const RowScales s = row_scales(d, offset, sc, mn, n, pairs);                             \
+                    const RowScales s = row_scales(d, offset, sc, mn, zero, n, pairs);                       \
                     float *o = out + (long)r * N + n;                                                        \
                     switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                           \
                     case 1: TILE(q, sums, r, 1, pairs, wc, s, o, N); break;                                  \

@@ -2,8 +2,9 @@
 
 `pack(parts)` repacks ops/weights/gguf_blocks.Parts losslessly into what the kernel reads: the codes in bit
 planes, b bits a weight ([N, P * 8 b] uint8, P = ceil(K / 64) pairs of blocks), and the file's
-scales: legacy types d and offset [N, 2P] fp32; K types d and dmin [N, K/256] fp32 with sc and mn
-[N, K/16] int8. See the C file for the layout.
+scales: legacy types the file's fp16 d [N, 2P] and, for Q5_1, m [N, 2P] (Q4_0 and Q5_0 have offset
+-zero * d, zero 8 or 16); K types d and dmin [N, K/256] fp32 with sc and mn [N, K/16] int8. So a
+legacy weight takes the file's own bytes. See the C file for the layout.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import numpy as np
 import torch
 
 from gpu_worker.ops.cpu import block_linear, build
-from gpu_worker.ops.weights.gguf_blocks import K_TYPES, Parts
+from gpu_worker.ops.weights.gguf_blocks import K_TYPES, Parts, T
 
 LEGACY_BITS = (4, 5)
 K_BITS = (2, 3, 4, 5, 6)
 KINDS = tuple(f"legacy{b}" for b in LEGACY_BITS) + tuple(f"k{b}" for b in K_BITS)
-_ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
+_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 4
+ZERO_CODES = {T.Q4_0: 8.0, T.Q5_0: 16.0}  # offset = -zero * d
 # bit planes per code width, low bits first: (plane, shift); nibble 4 bits, crumb 2, bit 1
 PLANES = {2: (("crumb", 0),), 3: (("crumb", 0), ("bit", 2)), 4: (("nibble", 0),), 5: (("nibble", 0), ("bit", 4)),
           6: (("nibble", 0), ("crumb", 4))}
@@ -35,17 +37,16 @@ def library() -> ctypes.CDLL | None:
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight as the kernel reads it (the module docstring); sc and mn None for legacy kinds."""
+    """A weight as the kernel reads it (the module docstring); sc and mn None for legacy kinds, offset too
+    for Q4_0 and Q5_0 (offset = -zero * d)."""
 
     kind: str
     codes: torch.Tensor
     d: torch.Tensor
-    offset: torch.Tensor
+    offset: torch.Tensor | None
     sc: torch.Tensor | None
     mn: torch.Tensor | None
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.codes, self.d, self.offset, self.sc, self.mn) if t is not None]
+    zero: float = 0.0
 
 
 def _plane(codes: np.ndarray, plane: str) -> np.ndarray:
@@ -86,8 +87,10 @@ def pack(parts: Parts) -> Packed:
     if parts.ggml_type in K_TYPES:
         return Packed(f"k{parts.bits}", codes, _torch(parts.d), _torch(parts.offset), _torch(parts.sc),
                       _torch(parts.mn))
-    return Packed(f"legacy{parts.bits}", codes, _torch(_pad_blocks(parts.d)), _torch(_pad_blocks(parts.offset)),
-                  None, None)
+    d = _torch(_pad_blocks(parts.d).astype(np.float16))  # the file's fp16 d, exactly
+    zero = ZERO_CODES.get(parts.ggml_type, 0.0)
+    offset = None if zero else _torch(_pad_blocks(parts.offset).astype(np.float16))  # Q5_1: the file's m
+    return Packed(f"legacy{parts.bits}", codes, d, offset, None, None, zero)
 
 
 def linear(x: torch.Tensor, w: Packed, out_features: int) -> torch.Tensor:
@@ -97,9 +100,10 @@ def linear(x: torch.Tensor, w: Packed, out_features: int) -> torch.Tensor:
     rows, in_features = x.shape
     out = torch.empty(rows, out_features, dtype=torch.float32)
     fn = getattr(library(), f"{w.kind}_linear_f32")
-    sc, mn = (None, None) if w.sc is None else (w.sc.data_ptr(), w.mn.data_ptr())
+    sc, mn = (None, None) if w.sc is None or w.mn is None else (w.sc.data_ptr(), w.mn.data_ptr())
+    offset = None if w.offset is None else w.offset.data_ptr()
     with build.traced(f"cpu_{w.kind}_linear"):
-        rc = fn(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), w.offset.data_ptr(), sc, mn, out.data_ptr(),
+        rc = fn(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), offset, sc, mn, w.zero, out.data_ptr(),
                 rows, out_features, in_features, block_linear.threads_for(rows))
     if rc != 0:
         raise MemoryError(f"cpu {w.kind} linear: no memory for the {rows} x {in_features} activation codes")
