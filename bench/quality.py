@@ -2,12 +2,17 @@
 
 - greedy agreement: a fixed set of 60 chat prompts, 32 greedy new tokens each; the share of
   prompts whose 32 tokens equal fp32's exactly, and the mean length of the common prefix;
-- perplexity of the fixed text bench/data/perplexity.txt (one prefill, every position scored).
+- perplexity of the fixed text bench/data/perplexity.txt (one prefill, every position scored), or
+  with `--ctx N` as llama.cpp's `llama-perplexity -c N` scores it: the text in chunks of N tokens,
+  each its own prefill, the second half of each chunk scored.
 
     .venv/bin/python -m bench.quality                   # none (fp32), int8, int4
     .venv/bin/python -m bench.quality --formats none,int4
+    # a GGUF in its own formats (auto), against llama-perplexity -c 128 on the same file and text:
+    .venv/bin/python -m bench.quality --model FILE.gguf --formats auto --ctx 128 --no-greedy
 
-Writes bench/results/quality.json.
+Format `auto` is what the worker runs by default: a quantized GGUF in its own formats
+(gpu_worker/ops/weights/gguf_weight.py). Writes bench/results/quality.json.
 """
 
 from __future__ import annotations
@@ -71,8 +76,8 @@ def greedy_outputs(model: LlamaModel, prompts: list[list[int]]) -> list[list[int
     return engine.generate(prompts, [params] * len(prompts))
 
 
-def perplexity(model: LlamaModel, ids: list[int]) -> float:
-    """exp(mean next-token NLL) of `ids`, scored in one prefill."""
+def prefill_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Logits [n, V] of every position of `ids`, one prefill in a fresh cache."""
     n = len(ids)
     num_blocks = -(-n // BLOCK)
     meta = AttentionMetadata(
@@ -84,8 +89,25 @@ def perplexity(model: LlamaModel, ids: list[int]) -> float:
         decode_block_tables=torch.zeros(0, num_blocks, dtype=torch.int32), logits_indices=torch.arange(n),
     )
     cache = KVCache.allocate(model.config, num_blocks, BLOCK, model.dtype, "cpu")
-    logits = model(torch.tensor(ids), torch.arange(n), meta, cache)  # [n, V]
+    return model(torch.tensor(ids), torch.arange(n), meta, cache)  # [n, V]
+
+
+def perplexity(model: LlamaModel, ids: list[int]) -> float:
+    """exp(mean next-token NLL) of `ids`, scored in one prefill."""
+    logits = prefill_logits(model, ids)
     return math.exp(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item())
+
+
+def chunked_perplexity(model: LlamaModel, ids: list[int], ctx: int) -> float:
+    """llama-perplexity's figure for `-c ctx` (a tokenizer without BOS, as SmolLM2's): exp(mean NLL) over
+    positions ctx/2 .. ctx-2 of every whole chunk of ctx tokens, each chunk a fresh prefill."""
+    first, total, count = ctx // 2, 0.0, 0
+    for start in range(0, len(ids) - ctx + 1, ctx):
+        chunk = ids[start:start + ctx]
+        logits = prefill_logits(model, chunk).double()  # [ctx, V]
+        nll = F.cross_entropy(logits[first:-1], torch.tensor(chunk[first + 1:]), reduction="sum")
+        total, count = total + nll.item(), count + ctx - 1 - first
+    return math.exp(total / count)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -95,23 +117,30 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=model_store.DEFAULT_MODEL)
-    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="none is the fp32 reference")
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS),
+                        help="none is the fp32 reference; auto keeps a quantized GGUF's own formats")
+    parser.add_argument("--ctx", type=int, default=0, help="score perplexity as llama-perplexity -c CTX does")
+    parser.add_argument("--text", default=str(HERE / "data" / "perplexity.txt"), help="the perplexity text")
+    parser.add_argument("--no-greedy", dest="greedy", action="store_false", help="perplexity only")
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args(argv)
     tok = load_tokenizer(model_store.resolve(args.model))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    text_ids = tok.encode((HERE / "data" / "perplexity.txt").read_text())
+    text_ids = tok.encode(Path(args.text).read_text())
+    formats = [f for f in args.formats.split(",") if f != "none"]
     rows, reference = [], None
-    for fmt in ["none"] + [f for f in args.formats.split(",") if f != "none"]:
+    for fmt in (["none"] if args.greedy else []) + formats:
         start = time.perf_counter()
         model = load_model(args.model, "cpu", torch.float32, quantization=fmt)
-        outs = greedy_outputs(model, prompts)
-        reference = reference or outs
-        prefix = [common_prefix(a, b) for a, b in zip(outs, reference)]
-        rows.append({"format": fmt, "prompts": len(prompts),
-                     "identical_32_tokens": sum(p == NEW_TOKENS for p in prefix) / len(prompts),
-                     "mean_common_prefix": sum(prefix) / len(prompts),
-                     "perplexity": round(perplexity(model, text_ids), 3), "text_tokens": len(text_ids)})
+        row = {"format": fmt, "text_tokens": len(text_ids), "ctx": args.ctx or len(text_ids)}
+        if args.greedy:
+            outs = greedy_outputs(model, prompts)
+            reference = reference or outs
+            prefix = [common_prefix(a, b) for a, b in zip(outs, reference)]
+            row |= {"prompts": len(prompts), "identical_32_tokens": sum(p == NEW_TOKENS for p in prefix) / len(prompts),
+                    "mean_common_prefix": sum(prefix) / len(prompts)}
+        ppl = chunked_perplexity(model, text_ids, args.ctx) if args.ctx else perplexity(model, text_ids)
+        rows.append(row | {"perplexity": round(ppl, 4)})
         print(json.dumps(rows[-1]), f"({time.perf_counter() - start:.0f} s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -29,16 +29,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gpu_worker.model.config import ModelConfig, RopeScaling
+from gpu_worker.ops.weights import gguf_blocks, gguf_weight
+from gpu_worker.ops.weights.gguf_weight import FileTensor
 from llmserve import model_store
 from llmserve.gguf_metadata import read_metadata
 
 logger = structlog.get_logger(__name__)
 
 CACHE_FORMAT = "1"
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-}
 SUPPORTED_ARCHS = {"llama", "qwen2"}  # llama.cpp writes Llama 2/3, Mistral and SmolLM2 as "llama"
 # architectures whose GGUF Q/K weights llama.cpp permuted for interleaved RoPE
 PERMUTED_ARCHS = {"llama"}
@@ -139,25 +137,42 @@ def read_config(reader: GGUFReader, unpermute: bool = True) -> ModelConfig:
 # ---- tensors ----------------------------------------------------------------------------------------
 
 
-def _dequantized(t, config: ModelConfig, unpermute: bool) -> torch.Tensor:
-    """One GGUF tensor -> torch tensor in HF layout [out, in]; F32 stays fp32, the rest is stored fp16."""
-    if t.tensor_type not in SUPPORTED_TYPES:
-        raise ValueError(f"{t.name}: GGUF type {t.tensor_type.name} is not supported")
-    w = dequantize(t.data, t.tensor_type)  # float32, rows outermost
-    w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+def check_types(path: Path, reader: GGUFReader) -> None:
+    """Raise, in one line naming the file, the tensor and its type, where a tensor's type is not supported."""
+    for t in reader.tensors:
+        if t.tensor_type not in gguf_weight.SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, which is not supported "
+                             f"(supported: {gguf_weight.supported_names()})")
+
+
+def _hf_rows(t, w: np.ndarray, config: ModelConfig, unpermute: bool) -> np.ndarray:
+    """A tensor's rows (outermost axis) in HF order: llama.cpp's Q/K permutation undone where asked."""
     if unpermute and config.architecture in PERMUTED_ARCHS:
         if t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_qk(w, config.num_heads)
-        elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_qk(w, config.num_kv_heads)
+            return unpermute_qk(w, config.num_heads)
+        if t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            return unpermute_qk(w, config.num_kv_heads)
+    return w
+
+
+def _float32(t, config: ModelConfig, unpermute: bool) -> torch.Tensor:
+    """One GGUF tensor -> fp32 torch tensor in HF layout [out, in], gguf's own values."""
+    w = dequantize(t.data, t.tensor_type)  # float32, rows outermost
+    w = _hf_rows(t, w.reshape(tuple(int(d) for d in reversed(t.shape))), config, unpermute)
+    return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # copy: reader memory is read-only
+
+
+def _dequantized(t, config: ModelConfig, unpermute: bool) -> torch.Tensor:
+    """One GGUF tensor -> torch tensor in HF layout [out, in]; F32 stays fp32, the rest is stored fp16."""
     dtype = torch.float32 if t.tensor_type == GGMLQuantizationType.F32 else torch.float16
-    return torch.from_numpy(np.array(w, dtype=np.float32, order="C")).to(dtype)  # copy: reader memory is read-only
+    return _float32(t, config, unpermute).to(dtype)
 
 
 def convert(path: Path, unpermute: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read and dequantize a whole GGUF (slow: seconds). Returns config and HF-named tensors."""
     start = time.monotonic()
     reader = GGUFReader(str(path))
+    check_types(path, reader)
     config = read_config(reader, unpermute)
     named = [(hf_name(t.name), t) for t in reader.tensors]
     named = [(n, t) for n, t in named if n is not None]
@@ -214,3 +229,40 @@ def is_gguf(path: Path) -> bool:
         return False
     with path.open("rb") as f:
         return f.read(4) == b"GGUF"
+
+
+# ---- tensors in the file's formats (the CPU's --quantization auto) ------------------------------------
+
+
+def _file_tensor(t, config: ModelConfig, unpermute: bool) -> FileTensor:
+    """A 2-D GGUF tensor -> FileTensor [N rows of its bytes] in HF row order (no dequantization)."""
+    return FileTensor(t.tensor_type, _hf_rows(t, t.data, config, unpermute), int(t.shape[0]))
+
+
+def _file_formats(reader: GGUFReader, config: ModelConfig, unpermute: bool
+                  ) -> Iterator[tuple[str, torch.Tensor | FileTensor]]:
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        if len(t.shape) == 2 and name != "model.embed_tokens.weight":
+            yield name, _file_tensor(t, config, unpermute)
+            continue
+        yield name, _float32(t, config, unpermute)
+        if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+            yield "lm_head.weight", _file_tensor(t, config, unpermute)  # the tied head in the file's format
+
+
+def load_file_formats(path: Path, unpermute: bool = True
+                      ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor | FileTensor]]] | None:
+    """Config and (HF name, weight) pairs of a GGUF whose GEMM weights (and vocab head) stay in the file's
+    formats, as FileTensors: no dequantized copy, no cache. Norms, biases and the embedding table (for
+    the lookup) come as fp32 tensors. None where no GEMM weight of the file is quantized."""
+    reader = GGUFReader(str(path))
+    if not any(t.tensor_type in gguf_blocks.QUANTIZED_TYPES and len(t.shape) == 2 and hf_name(t.name) is not None
+               for t in reader.tensors):
+        return None
+    check_types(path, reader)
+    config = read_config(reader, unpermute)
+    logger.info("loading gguf in its own weight formats", path=str(path))
+    return config, _file_formats(reader, config, unpermute)

@@ -24,6 +24,7 @@ from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
 from gpu_worker.ops import get_backend
 from gpu_worker.ops.backend import Backend, LinearWeight
+from gpu_worker.ops.weights.gguf_weight import FileTensor
 from gpu_worker.ops.weights.packed_linear import linear
 
 GEMMS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # a layer's GEMM weights, in step_layers.c's order
@@ -142,6 +143,9 @@ class LlamaModel(nn.Module):
         )
         # [context_length, D] fp32 cos | sin; a buffer so .to(device) moves it along
         self.register_buffer("cos_sin", cos_sin_table(c, c.context_length, device), persistent=False)
+        # GEMM weights loaded in a GGUF file's own formats (gguf_loader.load_file_formats), by HF name, until
+        # map_file_weights makes them the layers' weights; their float parameters stay untouched (unallocated)
+        self.file_weights: dict[str, FileTensor] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,6 +199,26 @@ class LlamaModel(nn.Module):
             for name in GEMMS:
                 _replace(layer, name, convert(getattr(layer, name)))
 
+    def map_file_weights(self, convert: Callable[[list[FileTensor]], LinearWeight]) -> None:
+        """Replace every layer GEMM weight loaded as FileTensors, and a vocab head so loaded, by convert(the
+        weight's row blocks in order); inference-only afterwards."""
+        for i, layer in enumerate(self.layers):
+            for name in GEMMS:
+                parts = self._file_parts(i, name)
+                if parts is not None:
+                    _replace(layer, name, convert(parts))
+        head = self.file_weights.get("lm_head.weight")
+        if head is not None:
+            self.set_lm_head(convert([head]))
+        self.file_weights.clear()  # the file's bytes are in the kernels' layouts now
+
+    def _file_parts(self, layer: int, param: str) -> list[FileTensor] | None:
+        """The FileTensors of a layer's (fused) GEMM parameter in row order, or None."""
+        names = [f"model.layers.{layer}.{suffix}" for suffix, (attr, _) in _LAYER_WEIGHTS.items()
+                 if attr == param and suffix.endswith(".weight")]
+        parts = [self.file_weights.get(name) for name in names]
+        return None if any(p is None for p in parts) else [p for p in parts if p is not None]
+
     def set_lm_head(self, head: LinearWeight) -> None:
         """Replace the vocab projection; the embedding lookup keeps the plain table, so a tied head is untied."""
         _replace(self, "lm_head", head)
@@ -241,10 +265,15 @@ class LlamaModel(nn.Module):
         return names
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (HF name, tensor) pairs into the (fused) parameters; raises if any expected one is missing."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileTensor]]) -> None:
+        """Copy (HF name, tensor) pairs into the (fused) parameters, keeping FileTensors aside for
+        map_file_weights; raises if any expected one is missing."""
         loaded = set()
         for name, tensor in weights:
+            if isinstance(tensor, FileTensor):
+                self.file_weights[name] = tensor
+                loaded.add(name)
+                continue
             target = self._target(name)
             if target is None:
                 continue

@@ -12,7 +12,8 @@ from gpu_worker.model import gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.ops import get_backend
-from gpu_worker.ops.weights import quantized_linear
+from gpu_worker.ops.cpu import block_linear, kquant_linear
+from gpu_worker.ops.weights import gguf_weight, packed_linear, quantized_linear
 from llmserve import model_store
 
 logger = structlog.get_logger(__name__)
@@ -31,6 +32,19 @@ def _source(path: Path):
     raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face directory with config.json")
 
 
+def _file_formats(path: Path, device: str, dtype: torch.dtype):
+    """(config, weight iterator) of a quantized GGUF in its own formats (ops/weights/gguf_weight.py), which
+    `--quantization auto` keeps on an fp32 CPU model where the C kernels build; else None."""
+    if torch.device(device).type != "cpu" or not gguf_loader.is_gguf(path):
+        return None
+    kernels = block_linear.library() is not None and kquant_linear.library() is not None
+    if dtype == torch.float32 and kernels and packed_linear.available(dtype):
+        return gguf_loader.load_file_formats(path)
+    logger.warning("gguf weights load dequantized: a quantized file keeps its formats on an fp32 CPU model "
+                   "with the C kernels", path=str(path), dtype=str(dtype).removeprefix("torch."), kernels=kernels)
+    return None
+
+
 def load_config(spec: str | Path) -> ModelConfig:
     """Just the config of a model spec (converts a GGUF into the cache if needed)."""
     config, _ = _source(model_store.resolve(str(spec)))
@@ -44,16 +58,20 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     prepack: let the device's backend put the GEMM weights in its form (Backend.prepare_weights: on CPU
     oneDNN's blocked layout or a quantized format, on CUDA a quantized one); False keeps them as loaded.
     quantization: weight format of the layers' GEMMs, "none" or a key of ops/weights/quantized_linear.FORMATS
-    (on CPU) or of CUDA_FORMATS (on CUDA); "auto" picks one (quantized_linear.default_format).
+    (on CPU) or of CUDA_FORMATS (on CUDA); "auto" picks one: on an fp32 CPU model a quantized GGUF keeps its
+    own formats (gguf_weight.FILE_FORMATS), else quantized_linear.default_format.
     """
     start = time.monotonic()
     path = model_store.resolve(str(spec))
     dtype = dtype or default_dtype(device)
-    config, weights = _source(path)
+    file_formats = _file_formats(path, device, dtype) if quantization == "auto" and prepack else None
+    config, weights = file_formats or _source(path)
     model = LlamaModel(config, device=device, dtype=dtype)
     model.load_weights(weights)
     model.eval()
-    if quantization == "auto":
+    if file_formats is not None:
+        quantization = gguf_weight.FILE_FORMATS
+    elif quantization == "auto":
         widths = [config.hidden_size, config.q_size, config.intermediate_size]  # the GEMMs' in_features
         quantization = quantized_linear.default_format(model.device, widths)
     backend = get_backend(device)

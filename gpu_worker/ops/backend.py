@@ -6,8 +6,8 @@ checked against this class by mypy (they subclass it):
 
     backend            ops                                          weights (prepare_weights)
     ReferenceBackend   plain torch (ops/reference.py), the oracle   left as loaded (F.linear)
-    CpuBackend         C kernels for the per-layer ops and paged    oneDNN-prepacked, or int8 / int4
-                       attention (ops/cpu/), reference elsewhere    (ops/weights/)
+    CpuBackend         C kernels for the per-layer ops and paged    oneDNN-prepacked, int8 / int4, or
+                       attention (ops/cpu/), reference elsewhere    a GGUF's own formats (ops/weights/)
     CudaBackend        CuPy RawKernels (ops/cuda/*.cu)              as loaded, or CUDA int8
 
 Shapes: T = tokens in the step, H = hidden, Hq/Hk = query/kv heads, D = head_dim,
@@ -17,10 +17,13 @@ B = decoding sequences, S = prefilling sequences, I = intermediate size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from gpu_worker.ops.weights.gguf_weight import FileTensor
 
 # What a weight becomes in a backend's form: a (maybe prepacked) parameter or a quantized module.
 LinearWeight = nn.Module | nn.Parameter
@@ -41,6 +44,10 @@ class PreparableModel(Protocol):
 
     def set_lm_head(self, head: LinearWeight) -> None:
         """Replace the vocab projection [V, H] (untied from the embedding from then on)."""
+        ...
+
+    def map_file_weights(self, convert: Callable[[list[FileTensor]], LinearWeight]) -> None:
+        """Replace every GEMM weight (and head) loaded in a GGUF file's own formats by convert(its row blocks)."""
         ...
 
 

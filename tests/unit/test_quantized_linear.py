@@ -1,10 +1,12 @@
 """Weight-only int8 / int4 CPU linears: close to F.linear, compact, and each row independent of the batch.
 
 int4 runs as GGUF Q4_1 blocks on the C kernel (ops/cpu/block_linear.c) where it builds, else on
-torch's int4 kernel; both are checked here, and the Q8_0 vocab head beside them."""
+torch's int4 kernel; both are checked here, and the Q8_0 vocab head beside them. So are the
+linears of a GGUF file's own blocks of every quantized type (ops/weights/gguf_weight.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,9 +16,12 @@ from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.ops.cpu import block_linear as cpu_block_linear
+from gpu_worker.ops.cpu import kquant_linear
 from gpu_worker.ops.cpu.backend import CpuBackend
-from gpu_worker.ops.weights import packed_linear, quantized_linear
-from gpu_worker.ops.weights.quantized_linear import Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight
+from gpu_worker.ops.weights import gguf_blocks, gguf_weight, packed_linear, quantized_linear
+from gpu_worker.ops.weights.gguf_weight import FileTensor
+from gpu_worker.ops.weights.quantized_linear import Int4Weight, Int8Weight, KQuantWeight, Q4_1Weight, Q8_0Weight
+from tests.unit.gguf_random import random_blocks
 
 FORMATS = sorted(quantized_linear.FORMATS)
 needs_block_kernel = pytest.mark.skipif(cpu_block_linear.library() is None,
@@ -203,3 +208,97 @@ def test_calls_of_few_rows_run_on_one_thread():
         assert cpu_block_linear.threads_for(cpu_block_linear.SINGLE_THREAD_ROWS + 1) == 2
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- a GGUF file's own blocks ---------------------------------------------------------------------------
+
+needs_kquant_kernel = pytest.mark.skipif(cpu_block_linear.library() is None or kquant_linear.library() is None,
+                                         reason="no C compiler or no AVX2/FMA/F16C for the block kernels")
+FILE_TYPES = [pytest.param(t, id=t.name, marks=needs_kquant_kernel) for t in gguf_blocks.QUANTIZED_TYPES]
+# fp16 field scales that keep every type's weights within about +-0.3
+FIELD_SCALE = {"Q4_0": 0.04, "Q4_1": 0.02, "Q5_0": 0.02, "Q5_1": 0.01, "Q8_0": 0.003, "Q2_K": 0.01, "Q3_K": 0.002,
+               "Q4_K": 3e-4, "Q5_K": 1.5e-4, "Q6_K": 1e-4}
+
+
+def file_tensor(ggml_type, n: int, k: int, seed: int) -> FileTensor:
+    rng = np.random.default_rng(seed)
+    return FileTensor(ggml_type, random_blocks(ggml_type, n, k, rng, scale=FIELD_SCALE[ggml_type.name]), k)
+
+
+def widths(ggml_type) -> list[int]:
+    """K types come in rows of whole super-blocks of 256; legacy ones in blocks of 32, an odd count too."""
+    return [256, 768] if ggml_type in gguf_blocks.K_TYPES else [32, 96, 576]
+
+
+@pytest.mark.parametrize("ggml_type", FILE_TYPES)
+def test_file_blocks_run_on_the_c_kernels_and_follow_the_dequantized_weight(ggml_type):
+    """Against x @ W.T in float64 with W gguf's own dequantization: the kernels' only rounding is the input
+    rows' 16-bit codes per block of 32 (half a step of max|x| / 32767, ~1.5e-5 of a block's largest value)
+    and fp32 sums, so 1e-4 relative is some 5x their error; a wrong code, scale or sub-block is ~1."""
+    expected = {gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q8_0: Q8_0Weight}.get(ggml_type, KQuantWeight)
+    for k in widths(ggml_type):
+        t = file_tensor(ggml_type, 40, k, seed=k)
+        weight = gguf_weight.cpu_weight([t])
+        assert type(weight) is expected
+        x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
+        ref = x.double() @ t.dequantize().double().t()
+        out = weight(x)
+        assert out.dtype == torch.float32 and out.shape == (7, 40)
+        assert ((out.double() - ref).norm() / ref.norm()) < 1e-4, k
+
+
+@pytest.mark.parametrize("ggml_type", FILE_TYPES)
+def test_file_blocks_dequantize_as_the_file_does(ggml_type):
+    t = file_tensor(ggml_type, 8, widths(ggml_type)[0], seed=3)
+    expect = gguf_blocks.dequantize(gguf_blocks.parts(ggml_type, t.data))
+    assert np.array_equal(t.dequantize().numpy(), expect)
+
+
+@needs_kquant_kernel
+def test_file_blocks_take_about_the_files_bytes():
+    """Codes at the type's own bits; K types keep their two-level scales (int8 sc and mn per 16 weights, fp32
+    d and dmin per 256: 1.25 bits a weight more), legacy ones the file's own bytes (fp16 d, and m for Q5_1,
+    per 32)."""
+    n, k = 64, 512
+    extra = {gguf_blocks.T.Q4_0: 0.5, gguf_blocks.T.Q5_0: 0.5, gguf_blocks.T.Q5_1: 1.0}
+    for ggml_type in (*extra, *gguf_blocks.K_TYPES):
+        bits = gguf_blocks.BITS[ggml_type]
+        extra_bits = extra.get(ggml_type, 1.25)
+        assert gguf_weight.cpu_weight([file_tensor(ggml_type, n, k, 0)]).nbytes == n * k * (bits + extra_bits) / 8
+
+
+@needs_kquant_kernel
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q5_0, gguf_blocks.T.Q4_K, gguf_blocks.T.Q6_K],
+                         ids=lambda t: t.name)
+def test_file_block_rows_do_not_depend_on_the_batch_or_the_thread_count(ggml_type):
+    weight = gguf_weight.cpu_weight([file_tensor(ggml_type, 1000, 768, seed=5)])
+    x = torch.randn(70, 768, generator=torch.Generator().manual_seed(5))
+    alone = [weight(x[i:i + 1]) for i in range(70)]
+    for m in (2, 3, 5, 17, 70):
+        batch = weight(x[:m])
+        for i in sorted({*range(min(m, 4)), m - 1}):
+            assert torch.equal(batch[i:i + 1], alone[i]), (m, i)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(weight(x[:9]))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@needs_kquant_kernel
+def test_a_fused_weight_of_mixed_types_runs_its_parts_in_row_order():
+    """Q, K and V of a K-quant mix: Q4_K, Q3_K and Q6_K rows (plus an F16 part) in one fused weight."""
+    parts = [file_tensor(gguf_blocks.T.Q4_K, 64, 256, 1), file_tensor(gguf_blocks.T.Q3_K, 32, 256, 2),
+             file_tensor(gguf_blocks.T.Q6_K, 32, 256, 3),
+             FileTensor(gguf_blocks.T.F16, np.random.default_rng(4).standard_normal((16, 256)).astype(np.float16), 256)]
+    weight = gguf_weight.cpu_weight(parts)
+    assert isinstance(weight, gguf_weight.RowsWeight) and weight.out_features == 144
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
+    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-4
+    same = gguf_weight.cpu_weight(parts[:1] * 2)  # parts of one type: one weight of their rows
+    assert isinstance(same, KQuantWeight) and same.out_features == 128

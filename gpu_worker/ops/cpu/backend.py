@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.ops.backend import Backend, LinearWeight, PreparableModel
 from gpu_worker.ops.cpu import layer_ops, paged_attention
-from gpu_worker.ops.weights import packed_linear, quantized_linear
+from gpu_worker.ops.weights import gguf_weight, packed_linear, quantized_linear
 
 
 def _cpu_weight(weight: torch.Tensor, quantization: str) -> LinearWeight:
@@ -51,10 +51,14 @@ class CpuBackend(Backend):
         """Every layer GEMM weight oneDNN-prepacked fp32/bf16 (ops/weights/packed_linear.py) or, with
         `quantization` int8/int4, weight-only quantized (ops/weights/quantized_linear.py). The vocab head
         stays prepacked fp32 (bf16 logits would round near-ties together), except beside int4 on the
-        block kernel: Q8_0 blocks with fp32 logits, as a GGUF file keeps it. False where this torch
-        build or CPU cannot prepack."""
+        block kernel: Q8_0 blocks with fp32 logits, as a GGUF file keeps it. With `quantization`
+        gguf_weight.FILE_FORMATS, the weights a GGUF loaded as FileTensors (and its head) keep the file's
+        formats (ops/weights/gguf_weight.py). False where this torch build or CPU cannot prepack."""
         if not packed_linear.available(model.dtype):
             return False
+        if quantization == gguf_weight.FILE_FORMATS:
+            model.map_file_weights(gguf_weight.cpu_weight)
+            return True
         model.map_linear_weights(lambda weight: _cpu_weight(weight, quantization))
         head = quantized_linear.quantize_head(model.lm_head, quantization)
         model.set_lm_head(head if head is not None else _cpu_weight(model.lm_head, "none"))

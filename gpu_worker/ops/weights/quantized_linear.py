@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.ops.cpu import block_linear
+from gpu_worker.ops.cpu import block_linear, kquant_linear
 
 ACT_DTYPE = torch.bfloat16
 GROUP = block_linear.BLOCK  # weights per quantization group along K (a GGUF block)
@@ -136,6 +136,13 @@ class BlockWeight(QuantizedWeight):
         self.register_buffer("scales", scales)  # [N, 2P] fp16
         self.register_buffer("offsets", offsets)  # [N, 2P] fp16 or None
 
+    @classmethod
+    def from_packed(cls, packed: block_linear.Packed, out_features: int, in_features: int) -> BlockWeight:
+        """The weight of a GGUF file's own blocks, packed by block_linear.pack_* (no float weight to quantize)."""
+        weight = cls.__new__(cls)
+        BlockWeight.__init__(weight, packed, out_features, in_features)
+        return weight
+
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = block_linear.linear(self.kind, x.float(), self.codes, self.scales, self.offsets, self.out_features)
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -164,6 +171,23 @@ class Q8_0Weight(BlockWeight):
         d = (groups.abs().amax(dim=-1) / 127).clamp(min=1e-12)  # [N, K/32]
         codes = torch.round(groups / d[..., None]).clamp(-127, 127)
         super().__init__(block_linear.pack_q8_0(codes, d), *weight.shape)
+
+
+class KQuantWeight(QuantizedWeight):
+    """A GGUF weight of 2 to 6 bits in its file's codes and scales (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K), on the C
+    kernel of ops/cpu/kquant_linear.py, fp32 in and out."""
+
+    def __init__(self, packed: kquant_linear.Packed, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.packed = packed
+        for name in ("codes", "d", "offset", "sc", "mn"):  # as buffers: nbytes counts them
+            self.register_buffer(name, getattr(packed, name))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = kquant_linear.linear(x.float(), self.packed, self.out_features)
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out if bias is None else out + bias
 
 
 class CudaInt8Weight(QuantizedWeight):

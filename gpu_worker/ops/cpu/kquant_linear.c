@@ -1,0 +1,235 @@
+/* Linear layers over the GGUF types of 2 to 6 bits (ops/weights/gguf_blocks.py), losslessly repacked:
+ * fp32 activations in, fp32 out, integer dot products inside, as block_linear.c does for Q4_1.
+ *
+ * A weight [N, K] is N rows of P = ceil(K/64) pairs of 32-weight blocks A and B (a padding block is
+ * all zero), w = scale * code + offset per sub-block. The codes of a pair are b bits a weight, in
+ * bit planes that widen into block_linear.c's four vectors of 16 int16 codes
+ * [A 8c..8c+7 | B 8c..8c+7], c = 0..3 (kquant_linear.py packs them):
+ *   nibble plane, 32 bytes: the low 4 bits as block_linear.c's Q4_1 codes
+ *   crumb plane, 16 bytes: A's 8 bytes, then B's; byte i holds 2 bits of weight 8c + i at bits 2c
+ *   bit plane, 8 bytes: A's 4 bytes, then B's; byte c holds 1 bit of weights 8c..8c+7 at bits 0..7
+ *   b = 2: crumbs; 3: crumbs, bits (x4); 4: nibbles; 5: nibbles, bits (x16); 6: nibbles, crumbs (x16)
+ * Scales, two kinds:
+ *   legacy (Q4_0, Q5_0, Q5_1): per row and block the file's fp16 d [N, 2P] and, for Q5_1, fp16 m
+ *         [N, 2P]; Q4_0 and Q5_0 have none and offset = -zero * d (zero 8 or 16, exact in fp32)
+ *   K types (Q2_K..Q6_K, K a multiple of 256): per row and super-block of 256 d and dmin [N, K/256]
+ *         fp32, per 16 weights sc and mn [N, K/16] int8: scale = d * sc, offset = dmin * mn (exact)
+ *
+ * The input rows are quantized to 16-bit codes per block of 32 by block_linear.c's
+ * quantize_rows. A pair's dot product is four 16-bit multiply-adds: int32 lanes 0-3 of the first
+ * two belong to A's first 16 weights and lanes 4-7 to B's, of the last two to their second 16, so
+ * each half is scaled lane-wise by its own sub-block scale (16-weight sub-blocks cost nothing
+ * extra). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a pair.
+ * Every partial integer sum is below 2^24 (codes <= 63, |x| <= 2^15 - 1, 4 products a lane).
+ *
+ * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
+ * alone, in a decode batch or in a prefill chunk, for any thread count.
+ */
+#include "block_linear.c"
+
+/* per input row and pair, xd * sum(codes) of its sub-blocks [A 0-15, A 16-31, B 0-15, B 16-31] */
+static void sub_block_sums(const QuantRows q, int M, int pairs, float *__restrict__ sums) {
+    for (long rp = 0; rp < (long)M * pairs; rp++) {
+        const int16_t *c = q.codes + rp * PAIR;
+        int s[4] = {0, 0, 0, 0};
+        for (int chunk = 0; chunk < 4; chunk++)
+            for (int half = 0; half < 2; half++)
+                for (int i = 0; i < 8; i++) s[half * 2 + chunk / 2] += c[chunk * 16 + half * 8 + i];
+        const float xa = q.lane_scale[rp * 8], xb = q.lane_scale[rp * 8 + 4];
+        sums[rp * 4 + 0] = xa * (float)s[0], sums[rp * 4 + 1] = xa * (float)s[1];
+        sums[rp * 4 + 2] = xb * (float)s[2], sums[rp * 4 + 3] = xb * (float)s[3];
+    }
+}
+
+static inline void nibble_plane(const uint8_t *p, __m256i v[4]) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    v[0] = _mm256_unpacklo_epi8(lo, zero), v[1] = _mm256_unpackhi_epi8(lo, zero);
+    v[2] = _mm256_unpacklo_epi8(hi, zero), v[3] = _mm256_unpackhi_epi8(hi, zero);
+}
+
+/* v[c] (|)= the crumb plane's 2-bit fields << shift */
+static inline void crumb_plane(const uint8_t *p, __m256i v[4], int shift, int add) {
+    /* lane 0: A's 8 bytes, lane 1: B's */
+    const __m256i t = _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)), 0x50);
+    const __m256i three = _mm256_set1_epi8(3), zero = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i u = _mm256_and_si256(_mm256_srli_epi16(t, 2 * c), three);
+        const __m256i w = _mm256_slli_epi16(_mm256_unpacklo_epi8(u, zero), shift);
+        v[c] = add ? _mm256_or_si256(v[c], w) : w;
+    }
+}
+
+/* v[c] |= the bit plane's bits << shift */
+static inline void bit_plane(const uint8_t *p, __m256i v[4], int shift) {
+    uint32_t a, b;
+    __builtin_memcpy(&a, p, 4);
+    __builtin_memcpy(&b, p + 4, 4);
+    const __m256i t = _mm256_setr_epi32((int)a, 0, 0, 0, (int)b, 0, 0, 0);
+    const __m256i bit = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128,
+                                         1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m256i one = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i bytes = _mm256_shuffle_epi8(t, _mm256_set1_epi8((char)c)); /* byte c of each lane */
+        const __m256i set = _mm256_min_epu8(_mm256_and_si256(bytes, bit), one);
+        v[c] = _mm256_or_si256(v[c], _mm256_slli_epi16(_mm256_unpacklo_epi8(set, zero), shift));
+    }
+}
+
+#define CODES_2(p, v) crumb_plane(p, v, 0, 0)
+#define CODES_3(p, v) (crumb_plane(p, v, 0, 0), bit_plane((p) + 16, v, 2))
+#define CODES_4(p, v) nibble_plane(p, v)
+#define CODES_5(p, v) (nibble_plane(p, v), bit_plane((p) + 32, v, 4))
+#define CODES_6(p, v) (nibble_plane(p, v), crumb_plane((p) + 32, v, 4, 1))
+
+/* A weight pair: its codes, the lane scales of its first and second 16 weights of each block
+ * ([A x4 | B x4]) and its four sub-block offsets [A0, A1, B0, B1]. */
+typedef struct {
+    __m256i c[4];
+    __m256 lo, hi;
+    __m128 off;
+} SubPair;
+
+/* The scales of one weight row: legacy (fp16 d and m, or NULL and a zero code, per block) or K (fp32 d
+ * and dmin per 256; int8 sc and mn per 16). */
+typedef struct {
+    const float *d, *offset;
+    const int8_t *sc, *mn;
+    const uint16_t *d16, *m16;
+    float zero;
+} RowScales;
+
+static inline void spread(SubPair *w, __m128 s4) {
+    const __m256 s = _mm256_castps128_ps256(s4);
+    w->lo = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
+    w->hi = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
+}
+
+/* two fp16 values -> [a, b, 0, 0] fp32 (exact) */
+static inline __m128 f16x2(const uint16_t *p) {
+    uint32_t two;
+    __builtin_memcpy(&two, p, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
+}
+
+static inline void legacy_scales(SubPair *w, RowScales s, int p) {
+    const __m128 d = f16x2(s.d16 + 2 * p); /* dA dB */
+    const __m128 m = s.m16 ? f16x2(s.m16 + 2 * p) : _mm_mul_ps(d, _mm_set1_ps(-s.zero)); /* mA mB */
+    spread(w, _mm_unpacklo_ps(d, d));
+    w->off = _mm_unpacklo_ps(m, m);
+}
+
+static inline __m128 int8x4(const int8_t *p) {
+    int32_t four;
+    __builtin_memcpy(&four, p, 4);
+    return _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
+}
+
+static inline void k_scales(SubPair *w, RowScales s, int p) {
+    const int g = p / 4; /* 4 pairs a super-block */
+    spread(w, _mm_mul_ps(_mm_set1_ps(s.d[g]), int8x4(s.sc + 4 * p)));
+    w->off = _mm_mul_ps(_mm_set1_ps(s.offset[g]), int8x4(s.mn + 4 * p));
+}
+
+static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int16_t *x, const float *lane_scale) {
+    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
+                                        _mm256_madd_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w->c[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
+                                        _mm256_madd_epi16(w->c[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
+    const __m256 xd = _mm256_loadu_ps(lane_scale);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(w->lo, xd), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(w->hi, xd), acc);
+}
+
+/* fixed-order sum of 4 lanes */
+static inline float hsum4(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one weight row */
+#define DEFINE_SUB_TILE(NAME, CODES, SCALES, PAIR_BYTES)                                                     \
+    static inline __attribute__((always_inline)) void NAME(QuantRows q, const float *sums, long row, int rows, \
+                                                           int pairs, const uint8_t *__restrict__ codes,     \
+                                                           RowScales s, float *__restrict__ out, long N) {   \
+        __m256 acc[ROW_TILE];                                                                                \
+        __m128 off[ROW_TILE];                                                                                \
+        for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps(), off[r] = _mm_setzero_ps();         \
+        for (int p = 0; p < pairs; p++) {                                                                    \
+            _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);       \
+            SubPair w;                                                                                       \
+            CODES(codes + (long)p * PAIR_BYTES, w.c);                                                        \
+            SCALES(&w, s, p);                                                                                \
+            for (int r = 0; r < rows; r++) {                                                                 \
+                const long xp = (row + r) * pairs + p;                                                       \
+                acc[r] = sub_accumulate(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);             \
+                off[r] = _mm_fmadd_ps(w.off, _mm_loadu_ps(sums + xp * 4), off[r]);                           \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < rows; r++) out[r * N] = hsum(acc[r]) + hsum4(off[r]);                            \
+    }
+
+/* The scales of weight row n: legacy per block, K types per super-block and per 16 weights. */
+static inline RowScales row_scales(const void *d, const void *offset, const int8_t *sc, const int8_t *mn,
+                                   float zero, long n, int pairs) {
+    if (!sc) {
+        const uint16_t *m16 = offset ? (const uint16_t *)offset + n * 2 * pairs : NULL;
+        return (RowScales){NULL, NULL, NULL, NULL, (const uint16_t *)d + n * 2 * pairs, m16, zero};
+    }
+    return (RowScales){(const float *)d + n * (pairs / 4), (const float *)offset + n * (pairs / 4),
+                       sc + n * 4 * pairs, mn + n * 4 * pairs, NULL, NULL, 0.f};
+}
+
+/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset (fp16 for legacy, offset NULL with a zero code; fp32 for
+ * K types) and sc, mn int8 (NULL for legacy) as above;
+ * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
+#define DEFINE_SUB_LINEAR(NAME, TILE, PAIR_BYTES)                                                            \
+    int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const void *d, const void *offset, \
+             const int8_t *__restrict__ sc, const int8_t *__restrict__ mn, float zero,                        \
+             float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
+        const int pairs = (K / BLOCK + 1) / 2;                                                               \
+        QuantRows q = {malloc(sizeof(int16_t) * (size_t)M * pairs * PAIR),                                   \
+                       malloc(sizeof(float) * (size_t)M * pairs * 8), NULL};                                 \
+        float *sums = malloc(sizeof(float) * (size_t)M * pairs * 4);                                         \
+        q.scaled_sum = malloc(sizeof(float) * (size_t)M * pairs * 2);                                        \
+        if (!q.codes || !q.lane_scale || !q.scaled_sum || !sums) {                                           \
+            free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                               \
+            return -1;                                                                                       \
+        }                                                                                                    \
+        quantize_rows(x, M, K, q);                                                                           \
+        sub_block_sums(q, M, pairs, sums);                                                                   \
+        const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;                                                \
+        _Pragma("omp parallel for schedule(guided) num_threads(num_threads)")                                \
+        for (int g = 0; g < groups; g++) {                                                                   \
+            const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;                   \
+            for (int r = 0; r < M; r += ROW_TILE) {                                                          \
+                for (int n = n0; n < n1; n++) {                                                              \
+                    const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                                \
+                    const RowScales s = row_scales(d, offset, sc, mn, zero, n, pairs);                       \
+                    float *o = out + (long)r * N + n;                                                        \
+                    switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                           \
+                    case 1: TILE(q, sums, r, 1, pairs, wc, s, o, N); break;                                  \
+                    case 2: TILE(q, sums, r, 2, pairs, wc, s, o, N); break;                                  \
+                    case 3: TILE(q, sums, r, 3, pairs, wc, s, o, N); break;                                  \
+                    default: TILE(q, sums, r, ROW_TILE, pairs, wc, s, o, N);                                 \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                                   \
+        return 0;                                                                                            \
+    }
+
+#define DEFINE_KIND(BITS, KIND, SCALES)                                  \
+    DEFINE_SUB_TILE(KIND##BITS##_tile, CODES_##BITS, SCALES, 8 * BITS) \
+    DEFINE_SUB_LINEAR(KIND##BITS##_linear_f32, KIND##BITS##_tile, 8 * BITS)
+
+DEFINE_KIND(4, legacy, legacy_scales)
+DEFINE_KIND(5, legacy, legacy_scales)
+DEFINE_KIND(2, k, k_scales)
+DEFINE_KIND(3, k, k_scales)
+DEFINE_KIND(4, k, k_scales)
+DEFINE_KIND(5, k, k_scales)
+DEFINE_KIND(6, k, k_scales)

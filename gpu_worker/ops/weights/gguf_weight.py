@@ -1,0 +1,108 @@
+"""A GGUF file's GEMM weights -> CPU linears that keep the file's format (`--quantization auto`; the CPU
+backend's format FILE_FORMATS, gpu_worker/ops/cpu/backend.py).
+
+    file type                  CPU linear                          kernel
+    Q4_1                       Q4_1Weight (its blocks as they are)  ops/cpu/block_linear.c
+    Q8_0                       Q8_0Weight (its blocks as they are)  ops/cpu/block_linear.c
+    Q4_0 Q5_0 Q5_1 Q2_K Q3_K   KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
+    Q4_K Q5_K Q6_K             the file's scales)
+    F32 F16 BF16               prepacked fp32 (ops/weights/packed_linear.py)
+
+Every conversion is lossless (ops/weights/gguf_blocks.py) and goes from the file's bytes straight to
+the kernel's layout, with no float copy of a quantized weight. A fused weight (Q, K and V; gate and
+up) whose parts share a type is one weight of their rows; a K-quant mix gives parts of different
+types (llama-quantize's Q4_K_M stores some V projections in Q6_K, and a width that is not a multiple
+of 256 in a legacy type), and those run as one kernel call each (`RowsWeight`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from torch import nn
+
+from gpu_worker.ops.cpu import block_linear, kquant_linear
+from gpu_worker.ops.weights import gguf_blocks, packed_linear
+from gpu_worker.ops.weights.quantized_linear import KQuantWeight, Q4_1Weight, Q8_0Weight, QuantizedWeight
+
+T = GGMLQuantizationType
+SUPPORTED_TYPES = gguf_blocks.FLOAT_TYPES + gguf_blocks.QUANTIZED_TYPES
+FILE_FORMATS = "gguf"  # the CPU backend's weight format for weights kept as the file has them
+
+
+def supported_names() -> str:
+    return ", ".join(t.name for t in SUPPORTED_TYPES)
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """A GEMM weight [N, K] as a GGUF file stores it: data [N, row bytes] uint8 for a quantized type,
+    [N, K] for a float one (rows outermost); a row permutation of it is still the file's format."""
+
+    ggml_type: GGMLQuantizationType
+    data: np.ndarray
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def quantized(self) -> bool:
+        return self.ggml_type in gguf_blocks.QUANTIZED_TYPES
+
+    def rows(self, index: np.ndarray) -> FileTensor:
+        """The tensor of rows `index` (a permutation or selection), in the same format."""
+        return FileTensor(self.ggml_type, self.data[index], self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """-> [N, K] fp32, gguf's own values."""
+        w = gguf_dequantize(self.data, self.ggml_type).reshape(self.out_features, self.in_features)
+        return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+
+
+def _stacked(parts: list[FileTensor]) -> FileTensor:
+    return FileTensor(parts[0].ggml_type, np.concatenate([p.data for p in parts]), parts[0].in_features)
+
+
+def _single(t: FileTensor) -> QuantizedWeight | nn.Parameter:
+    n, k = t.out_features, t.in_features
+    if not t.quantized:
+        return nn.Parameter(packed_linear.pack(t.dequantize()), requires_grad=False)
+    parts = gguf_blocks.parts(t.ggml_type, t.data)
+    codes = torch.from_numpy(parts.codes).view(n, -1, block_linear.BLOCK)  # [N, G, 32]
+    if t.ggml_type == T.Q4_1:
+        packed = block_linear.pack_q4_1(codes, torch.from_numpy(parts.d), torch.from_numpy(parts.offset))
+        return Q4_1Weight.from_packed(packed, n, k)
+    if t.ggml_type == T.Q8_0:
+        return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes, torch.from_numpy(parts.d)), n, k)
+    return KQuantWeight(kquant_linear.pack(parts), n, k)
+
+
+class RowsWeight(QuantizedWeight):
+    """One fused weight [N, K] as row blocks in different formats: out = cat of each block's output."""
+
+    def __init__(self, parts: list[QuantizedWeight | nn.Parameter], out_features: list[int], in_features: int) -> None:
+        super().__init__()
+        self.parts = parts  # not registered: a prepacked parameter is no module; the model is inference-only
+        self.out_features, self.in_features = sum(out_features), in_features
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, K] -> [T, N]"""
+        out = torch.cat([packed_linear.linear(x, p) for p in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, QuantizedWeight) else p.numel() * p.element_size() for p in self.parts)
+
+
+def cpu_weight(parts: list[FileTensor]) -> QuantizedWeight | nn.Parameter:
+    """The row blocks of one (fused) weight, in order -> its CPU linear in the file's format(s)."""
+    if all(p.ggml_type == parts[0].ggml_type for p in parts):
+        return _single(_stacked(parts))
+    return RowsWeight([_single(p) for p in parts], [p.out_features for p in parts], parts[0].in_features)
