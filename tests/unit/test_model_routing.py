@@ -134,7 +134,7 @@ def test_admin_commands_find_the_redis_up_recorded(tmp_path, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
     with pytest.raises(SystemExit, match="no Redis"):
         cli.admin_redis_url(None)
-    cli._record_redis_url("redis://:pw@127.0.0.1:7000/0")
+    cli._record_redis_url(tmp_path / ".llmserve", "redis://:pw@127.0.0.1:7000/0")
     assert (tmp_path / ".llmserve" / "redis-url").stat().st_mode & 0o077 == 0      # it may hold a password
     assert cli.admin_redis_url(None) == "redis://:pw@127.0.0.1:7000/0"
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:7001/0")
