@@ -170,7 +170,8 @@ class WorkerService:
             await asyncio.sleep(0.05)
         self.tasks.stopping = True
         self.loop.stop()
-        await self.tasks["engine-loop"]
+        if "engine-loop" in self.tasks:         # not when it died before the drain (then close() follows)
+            await self.tasks["engine-loop"]
         await self._hand_back_rest()
         await self.tasks.cancel("heartbeat")     # no heartbeat write may land after the HDEL
         await self._remove_heartbeat()

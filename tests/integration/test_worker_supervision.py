@@ -3,6 +3,7 @@ Valkey (the test plays gateway and batcher, as in test_worker_service.py):
 
 * a step that never returns: the worker goes NOT_SERVING, deletes its heartbeat, exits 1;
 * Redis out of memory (`maxmemory` far below use, `noeviction`) for 5 s: it carries on after;
+  for longer than heartbeat_give_up_s: it fails (NOT_SERVING, exit 1) rather than serve unseen;
 * Redis not there yet at start: it waits for it, then serves.
 
 The blocked step is a real one: the test freezes the worker's `engine-step` thread with ptrace
@@ -151,6 +152,29 @@ def test_redis_out_of_memory_for_5s_then_the_worker_serves_again(own_valkey, mod
     finally:
         worker.kill()
         client.close()
+
+
+def test_heartbeats_refused_past_the_give_up_time_fail_the_worker(own_valkey, model_dir, tmp_path):
+    client = redis.Redis.from_url(own_valkey.url)
+    port_file = tmp_path / "worker.port"
+    worker = Worker(own_valkey.url, model_dir, "w-unseen", "--heartbeat-give-up-s", "1", "--port-file", str(port_file))
+    try:
+        worker.wait_ready(client)
+        statuses = watch_health(int(port_file.read_text()))
+        wait_for(lambda: statuses[-1:] == ["SERVING"], what="SERVING")
+        serving_at = len(statuses)
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "1")
+        try:
+            assert worker.wait_exit() == 1
+        finally:
+            client.config_set("maxmemory", "0")
+        stderr = worker.proc.stderr.read()
+    finally:
+        worker.kill()
+        client.close()
+    assert statuses[serving_at:serving_at + 1] == ["NOT_SERVING"], statuses
+    assert "OutOfMemoryError" in stderr and "task died" in stderr, stderr[-3000:]
 
 
 def test_worker_started_before_redis_waits_for_it(model_dir):
