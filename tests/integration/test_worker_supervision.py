@@ -14,6 +14,7 @@ the loop hands it never returns.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 import time
@@ -49,8 +50,12 @@ def freeze_thread(tid: int) -> threading.Thread:
     """Stop one thread of a child process (ptrace); the returned thread reaps it when the process ends."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-    for request in (_PTRACE_SEIZE, _PTRACE_INTERRUPT):
-        assert libc.ptrace(request, tid, None, None) == 0, os.strerror(ctypes.get_errno())
+    if libc.ptrace(_PTRACE_SEIZE, tid, None, None) != 0:
+        err = ctypes.get_errno()
+        if err == errno.EPERM:
+            pytest.skip("ptrace is not permitted here (yama ptrace_scope or seccomp)")
+        raise OSError(err, os.strerror(err))
+    assert libc.ptrace(_PTRACE_INTERRUPT, tid, None, None) == 0, os.strerror(ctypes.get_errno())
 
     def reap() -> None:      # a traced thread is the tracer's to wait for: its stop, then its exit
         while True:
