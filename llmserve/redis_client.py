@@ -29,7 +29,7 @@ import redis.exceptions
 import structlog
 import tenacity
 from redis._parsers.commands import AsyncCommandsParser
-from redis.asyncio.cluster import AbstractStrategy, ClusterPipeline, TransactionStrategy
+from redis.asyncio.cluster import AbstractStrategy, ClusterPipeline, PipelineStrategy, TransactionStrategy
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
@@ -138,13 +138,14 @@ def _auth(password: str) -> dict[str, str]:
 
 
 class ClusterClient(AsyncRedisCluster):
-    """redis-py's asyncio cluster client with three fixes (redis-py 8.1):
+    """redis-py's asyncio cluster client with four fixes (redis-py 8.1):
 
     * the slot map is loaded before a command is routed: redis-py picks a command's routing
       policy before it initializes, so the first commands of a fresh (or reset) client that run
       concurrently go to an arbitrary node, collect MOVED, and five MOVED close every
       connection, failing the commands in flight on them;
     * MULTI commands are queued on the caller's thread (`_QueueHereTransaction`);
+    * a pipeline that failed for a dead or failing node reloads the slot map (`_ReloadingPipeline`);
     * XREAD / XREADGROUP keys are found without asking the server (`_StreamKeysParser`).
     """
 
@@ -158,9 +159,22 @@ class ClusterClient(AsyncRedisCluster):
 
     def pipeline(self, transaction=None, shard_hint=None) -> ClusterPipeline:
         pipe = super().pipeline(transaction, shard_hint)
-        if transaction:
-            pipe._execution_strategy = _QueueHereTransaction(pipe)
+        pipe._execution_strategy = _QueueHereTransaction(pipe) if transaction else _ReloadingPipeline(pipe)
         return pipe
+
+
+class _ReloadingPipeline(PipelineStrategy):
+    """A pipeline whose failure for an unavailable node marks the slot map stale, as a single command's
+    does. redis-py's pipeline (with no retries, our policy) only raises: a client whose other commands
+    all go to live nodes then keeps sending its pipelines to a master that was killed and replaced,
+    for good (seen in tests/cluster/test_cluster_failover.py: a worker whose events stayed unwritten)."""
+
+    async def execute(self, *args, **kwargs):
+        try:
+            return await super().execute(*args, **kwargs)
+        except UNAVAILABLE_ERRORS:
+            self._pipe.cluster_client._initialize = True      # the next command reloads it
+            raise
 
 
 class _QueueHereTransaction(TransactionStrategy):

@@ -62,7 +62,12 @@ def test_worker_carries_on_through_a_master_change(replicated_cluster, model_dir
         client = redis_client.connect_sync(cluster.replica_of(master).url)   # the old master may be gone
         after = make_item("after", prompt(7, 5), 20)
         dispatch(client, worker.worker_id, [after], "b-after")
-        wait_final(client, [running, after])
+        try:
+            wait_final(client, [running, after])
+        except TimeoutError:
+            worker.kill()
+            finals = {i.request_id: [e.final for e in events(client, i)][-1:] for i in (running, after)}
+            pytest.fail(f"no final event ({finals}); worker log:\n{worker.proc.stderr.read()[-6000:]}")
         for item, want in zip((running, after), reference([running, after])):
             assert completion(events(client, item)) == want
         assert worker.proc.poll() is None
