@@ -33,7 +33,7 @@ from batcher.reclaimer import ReclaimContext, Reclaimer
 from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
-from llmserve import fencing, keys, queue
+from llmserve import fencing, keys, queue, redis_client
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -45,6 +45,9 @@ _PIPELINED = 8             # batches formed and dispatched per Redis round trip
 # Unexpected errors in a row after which the loop gives up and takes the process down, so
 # its supervisor restarts it (and the operator sees it) instead of it retrying forever.
 MAX_CONSECUTIVE_FAILURES = 5
+
+# Any Redis error: the batch loop retries the step (the cluster client's SlotNotCoveredError is no RedisError)
+REDIS_TROUBLE = (RedisError, OSError, *redis_client.UNAVAILABLE_ERRORS)
 
 _Plan = tuple[Capacity, list[Held]]
 _Drop = tuple[Held, DropReason, str]
@@ -89,7 +92,7 @@ class ModelBatcher:
                 backoff, failures = 0.05, 0
             except NoScriptError:
                 await self.scripts.load()  # Redis restarted or flushed its script cache
-            except (RedisError, OSError) as exc:
+            except REDIS_TROUBLE as exc:
                 logger.warning("redis error in batch loop", model=self.model, error=repr(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
@@ -115,7 +118,7 @@ class ModelBatcher:
                 await self._maybe_refresh_workers(time.monotonic())
                 if not await self.dispatch_ready(force=True):
                     await asyncio.sleep(self.settings.workers_poll_ms / 1000)
-            except (RedisError, OSError) as exc:
+            except REDIS_TROUBLE as exc:
                 logger.warning("redis error while flushing", model=self.model, error=repr(exc))
                 await asyncio.sleep(0.1)
         await self._release_held()
@@ -129,7 +132,7 @@ class ModelBatcher:
             try:
                 await self.redis.xclaim(stream, keys.WORK_GROUP, self.consumer, 0, ids,
                                         idle=self.settings.claim_idle_ms, justid=True)
-            except (RedisError, OSError) as exc:
+            except REDIS_TROUBLE as exc:
                 logger.warning("could not release held items", model=self.model, error=repr(exc))
         if self.queue:
             logger.info("left items for other replicas", model=self.model, count=len(self.queue))
@@ -258,7 +261,7 @@ class ModelBatcher:
         try:
             await fencing.issue(self.redis, [h.item for _, batch in plans for h in batch],
                                 self.settings.events_ttl_s)
-        except (RedisError, OSError):
+        except REDIS_TROUBLE:
             for _, batch in plans:
                 self.queue.extend(batch)
             raise
@@ -271,7 +274,7 @@ class ModelBatcher:
                                       self.consumer, _sources(batch), message.SerializeToString())
         try:
             replies = await pipe.execute()
-        except (RedisError, OSError):
+        except REDIS_TROUBLE:
             for _, batch in plans:
                 self.queue.extend(batch)
             raise
@@ -347,7 +350,7 @@ class ModelBatcher:
         helds = self.queue.remove_if(lambda _h: True)
         try:
             await move_items(self.redis, self.model, target, [h.item for h in helds])
-        except (RedisError, OSError):
+        except REDIS_TROUBLE:
             self.queue.extend(helds)
             raise
         await self._ack_held(helds)

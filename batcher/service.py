@@ -2,6 +2,10 @@
 
 The gRPC server only carries health and reflection (an operator or the stack
 launcher waits for SERVING); all real work happens against Redis.
+
+Its tasks (a batch loop per cell, which also reclaims, and the stats loop) are supervised
+(llmserve/tasks.py): one that ends unexpectedly fails the batcher (NOT_SERVING, exit 1) for
+its supervisor to replace it. Started before Redis is reachable, it waits for it (redis_wait_s).
 """
 
 from __future__ import annotations
@@ -11,14 +15,14 @@ import asyncio
 import grpc
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
 
 from batcher import metrics
 from batcher.config import BatcherSettings
-from batcher.model_batcher import ModelBatcher
+from batcher.model_batcher import REDIS_TROUBLE, ModelBatcher
 from batcher.scripts import Scripts
 from llmserve import keys, queue, redis_client
 from llmserve.clock import now_ms
+from llmserve.tasks import TaskSupervisor
 
 logger = structlog.get_logger(__name__)
 
@@ -44,7 +48,7 @@ class BatcherService:
         self._redis = redis
         self._own_redis = redis is None
         self.cells: list[ModelBatcher] = []
-        self._tasks: list[asyncio.Task] = []
+        self.tasks = TaskSupervisor(on_failure=self._fail)
         self._stopping = asyncio.Event()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
@@ -52,7 +56,8 @@ class BatcherService:
 
     async def start(self) -> None:
         if self._redis is None:
-            self._redis = redis_client.connect(self.settings.redis_url, self.settings.redis_password)
+            self._redis = await redis_client.connect_when_up(self.settings.redis_url, self.settings.redis_password,
+                                                             wait_s=self.settings.redis_wait_s)
         scripts = Scripts(self._redis)
         await scripts.load()
         for model in self.settings.model_list():
@@ -62,10 +67,8 @@ class BatcherService:
                 await batcher.ensure_groups()
                 self.cells.append(batcher)
                 with structlog.contextvars.bound_contextvars(model=model):  # the loop's log lines carry it
-                    task = asyncio.create_task(batcher.run(), name=f"batch-{model}-{shard}")
-                task.add_done_callback(self._loop_ended)
-                self._tasks.append(task)
-        self._tasks.append(asyncio.create_task(self._stats_loop(), name="batcher-stats"))
+                    self.tasks.start(f"batch-{model}-{shard}", batcher.run())
+        self.tasks.start("batcher-stats", self._stats_loop())
         logger.info("batcher started", consumer=self.consumer, models=self.settings.model_list(),
                     queue_shards=self.settings.queue_shards,
                     limits={b.model: vars(b.limits) for b in self.cells})
@@ -78,24 +81,22 @@ class BatcherService:
         best = max(live, key=lambda k: (live[k], -k), default=None)
         return best if best is not None and live[best] > 0 else None
 
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
+    def _fail(self, exc: BaseException) -> None:
+        """A task died (logged by the supervisor): serve() goes NOT_SERVING and exits 1."""
         self.failure = exc
-        logger.error("batch loop died; failing the batcher", task=task.get_name(),
-                     exc_info=(type(exc), exc, exc.__traceback__))
         if self.stop_event is not None:
             self.stop_event.set()
 
     async def drain(self) -> None:
         """Stop reading; each loop finishes its batch in hand and flushes what it holds."""
+        self.tasks.stopping = True
         for batcher in self.cells:
             batcher.stop_reading()
         self._stopping.set()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(self.tasks[name] for name in self.tasks.names()), return_exceptions=True)
 
     async def close(self) -> None:
+        await self.tasks.cancel_all()
         if self._own_redis and self._redis is not None:
             await self._redis.aclose()
 
@@ -104,7 +105,7 @@ class BatcherService:
             for cell in self.cells:
                 try:
                     await self._publish_depth(cell)
-                except (RedisError, OSError) as exc:
+                except REDIS_TROUBLE as exc:
                     logger.debug("stats refresh failed", error=repr(exc))
             try:
                 await asyncio.wait_for(self._stopping.wait(), self.settings.stats_interval_ms / 1000)
@@ -120,8 +121,16 @@ class BatcherService:
             label = keys.priority_name(priority)
             metrics.QUEUE_DEPTH.labels(cell.model, label, shard).set(await self._redis.xlen(stream))
             first = await self._redis.xrange(stream, "-", "+", count=1)
-            age = 0.0
-            if first:
-                item = queue.decode_item(first[0][1])
-                age = max(0.0, (now - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0
-            metrics.QUEUE_AGE.labels(cell.model, label, shard).set(age)
+            metrics.QUEUE_AGE.labels(cell.model, label, shard).set(_age_s(first, now))
+
+
+def _age_s(first: list, now: int) -> float:
+    """Seconds the stream's head entry (an XRANGE COUNT 1 reply) has waited; 0.0 when there is none,
+    or when it does not decode (the batch loop drops it when it reads it)."""
+    if not first:
+        return 0.0
+    try:
+        item = queue.decode_item(first[0][1])
+    except queue.Undecodable:
+        return 0.0
+    return max(0.0, (now - item.enqueued_unix_ms) / 1000) if item.enqueued_unix_ms else 0.0

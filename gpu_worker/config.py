@@ -33,6 +33,10 @@ class WorkerSettings(CommonSettings):
     max_batched_tokens: int = setting(512, "tokens per forward step (decodes + prefill chunks)")
     prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
     heartbeat_s: float = setting(0.5, "seconds between heartbeats")
+    heartbeat_give_up_s: float = setting(30.0, "seconds heartbeats may fail in a row (Redis down, OOM, READONLY) "
+                                               "before the worker fails (exit 1) for its supervisor to replace it")
+    step_timeout_s: float = setting(60.0, "an engine step running longer fails the worker (health NOT_SERVING, "
+                                          "heartbeat deleted so its inbox is reclaimed, exit 1)")
     events_ttl_s: int = setting(3600, "seconds token-event streams live after their last event")
     drain_timeout_s: float = setting(30.0, "seconds running sequences may finish on drain before handoff")
     max_inbox_batches: int = setting(4, "inbox entries read per poll")
@@ -53,6 +57,8 @@ class WorkerSettings(CommonSettings):
         require(self.max_batched_tokens >= self.max_running, "max_batched_tokens",
                 "must be >= max_running (every running sequence decodes one token per step)")
         require(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")
+        require(self.heartbeat_give_up_s >= self.heartbeat_s, "heartbeat_give_up_s", "must be >= heartbeat_s")
+        require(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
         require(self.events_ttl_s > 0, "events_ttl_s", "must be > 0")
         require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
         require(self.torch_threads >= 0, "torch_threads", "must be >= 0")

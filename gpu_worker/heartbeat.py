@@ -1,6 +1,9 @@
 """Heartbeat: the worker's capacity in keys.workers_hash(model), every few hundred ms.
 
 The batcher treats a worker as alive while `sent_unix_ms` is recent and `draining` is false.
+A write Redis cannot take now (down, OOM under `noeviction`, READONLY in a failover, loading)
+is retried with jittered backoff; after `give_up_s` without one written the task raises, so
+the worker fails (health NOT_SERVING, exit 1) instead of serving on unseen by the batcher.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import structlog
+import tenacity
 
-from gpu_worker.worker_loop import REDIS_ERRORS, Snapshot
+from gpu_worker.engine.engine import EngineStats
 from llmserve import keys
 from llmserve.clock import now_ms
+from llmserve.redis_client import UNAVAILABLE_ERRORS
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -24,11 +29,13 @@ class Heartbeat:
 
     Args:
         snapshot: returns the engine's state now; draining: returns whether the worker drains.
+        give_up_s: how long writes may fail in a row before `run()` raises.
     """
 
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, admin_address: str,
                  interval_s: float, block_size: int, max_running: int,
-                 snapshot: Callable[[], Snapshot], draining: Callable[[], bool], shard: int = 0) -> None:
+                 snapshot: Callable[[], EngineStats], draining: Callable[[], bool], shard: int = 0,
+                 give_up_s: float = 30.0) -> None:
         self.redis = redis
         self.key = keys.workers_hash(model, shard)
         self.model = model
@@ -39,6 +46,7 @@ class Heartbeat:
         self.max_running = max_running
         self.snapshot = snapshot
         self.draining = draining
+        self.give_up_s = give_up_s
 
     def message(self) -> queue_pb2.WorkerHeartbeat:
         s = self.snapshot()
@@ -53,12 +61,21 @@ class Heartbeat:
         await self.redis.hset(self.key, self.worker_id, self.message().SerializeToString())
 
     async def run(self) -> None:
+        """Beat until cancelled; raises the last Redis error once none was written for give_up_s."""
         while True:
-            try:
-                await self.beat()
-            except REDIS_ERRORS as exc:
-                logger.warning("heartbeat failed", error=repr(exc))
+            await self._beat_until_written()
             await asyncio.sleep(self.interval_s)
+
+    async def _beat_until_written(self) -> None:
+        retrying = tenacity.AsyncRetrying(
+            sleep=asyncio.sleep, reraise=True, stop=tenacity.stop_after_delay(self.give_up_s),
+            wait=tenacity.wait_random_exponential(multiplier=self.interval_s / 8, max=self.interval_s),
+            retry=tenacity.retry_if_exception_type(UNAVAILABLE_ERRORS),
+            before_sleep=lambda state: logger.warning("heartbeat not written; retrying", attempt=state.attempt_number,
+                                                      error=repr(state.outcome.exception())))
+        async for attempt in retrying:
+            with attempt:
+                await self.beat()
 
     async def remove(self) -> None:
         await self.redis.hdel(self.key, self.worker_id)

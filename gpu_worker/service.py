@@ -9,19 +9,21 @@
 SIGTERM reaches drain() through llmserve.server.serve; the Drain RPC starts the same drain
 and then sets the serve stop event, so the process exits 0 either way.
 
-The engine loop is supervised: if it ends by an exception (a bug, out of memory, a Redis
-reply it cannot handle) the worker logs the stack, deletes its heartbeat (the batcher then
-reclaims its inbox at once) and sets `failure`, so serve() turns health NOT_SERVING and the
-process exits 1 for its supervisor to start a fresh one.
+Its tasks (engine-loop, heartbeat) are supervised (llmserve/tasks.py): if one ends unexpectedly
+(a bug, out of memory, a Redis reply it cannot handle, a step past the watchdog, heartbeats
+failing for heartbeat_give_up_s) the worker logs the stack and sets `failure`; serve() turns
+health NOT_SERVING, and close() deletes the heartbeat (the batcher then reclaims the inbox at
+once) without waiting for a hung step, so the process exits 1 for its supervisor to start a
+fresh one. Started before Redis is reachable, it waits for it (redis_wait_s).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import grpc
+import redis.asyncio as aioredis
 import structlog
 import torch
 
@@ -36,9 +38,10 @@ from gpu_worker.heartbeat import Heartbeat
 from gpu_worker.model.kv_cache import num_blocks_for_budget
 from gpu_worker.model.loader import load_model
 from gpu_worker.ops import select_device
-from gpu_worker.worker_loop import REDIS_ERRORS, WorkerLoop
+from gpu_worker.worker_loop import WorkerLoop
 from llmserve import model_store, queue_cells
-from llmserve.redis_client import connect
+from llmserve.redis_client import UNAVAILABLE_ERRORS, ClusterClient, connect_when_up
+from llmserve.tasks import TaskSupervisor
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = structlog.get_logger(__name__)
@@ -77,9 +80,7 @@ def warm_up(engine: LLMEngine) -> None:
     """One prefill + one decode so the first request pays no lazy init; leaves no cached state."""
     start = time.monotonic()
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], [SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)])
-    engine.block_manager.reset_prefix_cache()
-    engine.block_manager.stats.queried_tokens = engine.block_manager.stats.hit_tokens = 0
-    engine.counters.generated_tokens = 0
+    engine.reset_stats()
     logger.info("warm-up done", seconds=round(time.monotonic() - start, 2))
 
 
@@ -88,7 +89,7 @@ class WorkerService:
 
     Args:
         settings: validated settings.
-        stop: the event `serve()` waits on; set when a Drain RPC finished draining.
+        stop: the event `serve()` waits on; set when a Drain RPC finished draining, or a task died.
     """
 
     service_names = (worker_pb2.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name,)
@@ -98,13 +99,13 @@ class WorkerService:
         self.stop_event = stop
         self.worker_id = settings.resolved_worker_id()
         self.model_id = model_store.model_id(settings.model)
-        self.redis = connect(settings.redis_url, settings.redis_password, socket_timeout=5.0)
+        self.redis: aioredis.Redis | ClusterClient | None = None
         self.engine: LLMEngine | None = None
         self.loop: WorkerLoop | None = None
         self.heartbeat: Heartbeat | None = None
         self.draining = False
         self.shard = 0                      # the queue cell joined at start (llmserve/queue_cells.py)
-        self._tasks: list[asyncio.Task] = []
+        self.tasks = TaskSupervisor(on_failure=self._fail)
         self._drain_task: asyncio.Task | None = None
         self.failure: BaseException | None = None
 
@@ -112,41 +113,29 @@ class WorkerService:
         worker_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
 
     async def start(self) -> None:
+        self.redis = await connect_when_up(self.settings.redis_url, self.settings.redis_password,
+                                           wait_s=self.settings.redis_wait_s, socket_timeout=5.0)
         logger.info("loading model", model=self.settings.model, worker_id=self.worker_id)
         self.engine = await asyncio.to_thread(build_engine, self.settings)
         if self.settings.warmup:
             await asyncio.to_thread(warm_up, self.engine)
         self.shard = await queue_cells.join(self.redis, self.model_id, self.settings.queue_shards)
         self.loop = WorkerLoop(self.engine, self.redis, self.model_id, self.worker_id,
-                               self.settings.events_ttl_s, self.settings.max_inbox_batches, self.shard)
+                               self.settings.events_ttl_s, self.settings.max_inbox_batches, self.shard,
+                               step_timeout_s=self.settings.step_timeout_s)
         self.heartbeat = Heartbeat(
             self.redis, self.model_id, self.worker_id, self.settings.admin_address(),
             self.settings.heartbeat_s, self.settings.block_size, self.settings.max_running,
-            snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining, shard=self.shard)
-        self._tasks = [asyncio.create_task(self.loop.run(), name="engine-loop"),
-                       asyncio.create_task(self.heartbeat.run(), name="heartbeat")]
-        self._tasks[0].add_done_callback(self._engine_loop_ended)
-        logger.info("worker ready", worker_id=self.worker_id, model=self.model_id, queue_shard=self.shard)
+            snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining, shard=self.shard,
+            give_up_s=self.settings.heartbeat_give_up_s)
+        self.tasks.start("engine-loop", self.loop.run())
+        self.tasks.start("heartbeat", self.heartbeat.run())
+        logger.info("worker ready", worker_id=self.worker_id, model=self.model_id, queue_shard=self.shard,
+                    step_thread=self.loop.step_thread.native_id)
 
-    # --- supervision -------------------------------------------------------------------------
-    def _engine_loop_ended(self, task: asyncio.Task) -> None:
-        if task.cancelled() or self.draining:
-            return
-        exc = task.exception() or RuntimeError("engine loop returned without being stopped")
+    def _fail(self, exc: BaseException) -> None:
+        """A task died (logged by the supervisor): serve() goes NOT_SERVING and exits 1 after close()."""
         self.failure = exc
-        logger.error("engine loop died; failing this worker", worker_id=self.worker_id,
-                     exc_info=(type(exc), exc, exc.__traceback__))
-        self._tasks.append(asyncio.create_task(self._fail(), name="fail"))
-
-    async def _fail(self) -> None:
-        """Stop advertising capacity, then let serve() exit non-zero."""
-        self._tasks[1].cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._tasks[1]
-        try:
-            await asyncio.wait_for(self.heartbeat.remove(), 5.0)
-        except (TimeoutError, *REDIS_ERRORS) as exc:
-            logger.warning("could not delete the heartbeat; it expires by itself", error=repr(exc))
         if self.stop_event is not None:
             self.stop_event.set()
 
@@ -170,21 +159,22 @@ class WorkerService:
         self.draining = True
         if self.loop is None:           # stopped before it ever started
             return
-        logger.info("draining", timeout_s=timeout_s, running=len(self.engine.running))
+        logger.info("draining", timeout_s=timeout_s, running=self.loop.snapshot.running)
         self.loop.accepting = False
-        with contextlib.suppress(*REDIS_ERRORS):
+        try:
             await self.heartbeat.beat()
+        except UNAVAILABLE_ERRORS as exc:
+            logger.warning("could not announce the drain", error=repr(exc))
         deadline = time.monotonic() + timeout_s
         while self.loop.busy and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.tasks.stopping = True
         self.loop.stop()
-        await self._tasks[0]
+        if "engine-loop" in self.tasks:         # not when it died before the drain (then close() follows)
+            await self.tasks["engine-loop"]
         await self._hand_back_rest()
-        self._tasks[1].cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._tasks[1]          # no heartbeat write may land after the HDEL
-        with contextlib.suppress(*REDIS_ERRORS):
-            await self.heartbeat.remove()
+        await self.tasks.cancel("heartbeat")     # no heartbeat write may land after the HDEL
+        await self._remove_heartbeat()
         logger.info("drained")
 
     async def _hand_back_rest(self) -> None:
@@ -198,10 +188,16 @@ class WorkerService:
                 logger.info("handed back", items=len(items), entries=len(entries),
                             request_ids=[i.request_id for i in items])
                 return
-            except REDIS_ERRORS as exc:
+            except UNAVAILABLE_ERRORS as exc:
                 logger.warning("handoff failed; retrying", attempt=attempt, error=repr(exc))
                 await asyncio.sleep(0.5)
         logger.error("handoff gave up; the batcher will reclaim the inbox entries")
+
+    async def _remove_heartbeat(self) -> None:
+        try:
+            await asyncio.wait_for(self.heartbeat.remove(), 5.0)
+        except (TimeoutError, *UNAVAILABLE_ERRORS) as exc:
+            logger.warning("could not delete the heartbeat; it expires by itself", error=repr(exc))
 
     # --- stats / close -----------------------------------------------------------------------
     def stats(self) -> worker_pb2.WorkerStats:
@@ -216,14 +212,11 @@ class WorkerService:
         return out
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                try:
-                    await task
-                except Exception as exc:  # noqa: BLE001 - already logged where it mattered; say it again
-                    logger.warning("task ended with an error", task=task.get_name(), error=repr(exc))
+        """Stop the tasks; after a failure also delete the heartbeat, and leave a hung step behind."""
+        await self.tasks.cancel_all()
+        if self.failure is not None and self.heartbeat is not None:
+            await self._remove_heartbeat()
         if self.loop:
-            self.loop.close()
-        await self.redis.aclose()
+            self.loop.close(wait=self.failure is None)
+        if self.redis is not None:
+            await self.redis.aclose()

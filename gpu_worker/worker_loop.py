@@ -3,7 +3,7 @@
     ┌─ idle (or on start): read the inbox, blocking (own pending entries first)
     │  engine.step() in a thread        ║  one pipeline, meanwhile: events of the last step,
     │  (the event loop stays free for   ║  cancel keys, new inbox entries (no wait), acks of
-    │   gRPC, heartbeats and Redis)     ║  finished batches
+    │   gRPC, heartbeats and Redis)     ║  finished batches; their grammars compiled (a thread)
     └─ both done: the step's tokens become events; then engine.abort + final events, engine.add
 
 A busy turn is one Redis round trip, and it runs while the step computes: at one sequence a
@@ -11,8 +11,12 @@ step is 8-14 ms and the round trip 1-2 ms of this process's time, a tenth of the
 when it came between two steps. What the replies ask of the engine (cancels, fenced requests,
 new batches) is applied once the step is done, so it takes effect a step later than it arrived.
 
-Only this loop touches the engine, so add/abort/step never race. After a step the loop
-takes a `Snapshot` of the engine for heartbeats and Stats, which run concurrently.
+Only this loop touches the engine, so add/abort/step never race (`engine.prepare`, which
+compiles a new request's grammar off the event loop, touches only the request). After a step
+the loop keeps the engine's `stats()` for heartbeats and Stats, which run concurrently.
+
+A step that runs past `step_timeout_s` ends the loop with `StepTimeout` (the step cannot be
+interrupted; its thread is left behind): the worker fails and its supervisor replaces it.
 """
 
 from __future__ import annotations
@@ -21,41 +25,38 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-import redis.exceptions
 import structlog
 
 from gpu_worker import metrics
-from gpu_worker.engine.engine import LLMEngine, StepOutput
+from gpu_worker.engine.engine import EngineStats, LLMEngine, StepOutput
 from gpu_worker.engine.sequence import FINISH_CANCELLED, Failure
 from gpu_worker.events import Emission, EventPublisher
 from gpu_worker.inbox import Inbox, InboxEntry
 from gpu_worker.requests import Tracked, validate_item
+from gpu_worker.step_thread import StepThread
 from llmserve.clock import now_ms
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from llmserve.redis_client import UNAVAILABLE_ERRORS
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
 IDLE_BLOCK_MS = 200
 ADVERTISED_PREFIX_HASHES = 64  # in each heartbeat: about 8 hot prefixes of 8 blocks
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+class StepTimeout(RuntimeError):
+    """An engine step ran past the watchdog's limit."""
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """Engine state as of the end of the last turn (safe to read from any task)."""
+class Arrival:
+    """A new inbox entry's requests, each with why it cannot run ("" when it can)."""
 
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    generated_tokens: int = 0
-    preemptions: int = 0
-    prefix_hit_rate: float = 0.0
-    cached_prefix_hashes: tuple[int, ...] = ()
+    entry: InboxEntry
+    requests: list[tuple[Tracked, str]]
 
 
 @dataclass
@@ -74,10 +75,11 @@ class WorkerLoop:
         redis: client (socket timeout above IDLE_BLOCK_MS).
         model: model id; worker_id: this worker; events_ttl_s: TTL of event streams.
         max_inbox_batches: inbox entries per read. shard: the queue cell the worker joined.
+        step_timeout_s: the step watchdog's limit.
     """
 
     def __init__(self, engine: LLMEngine, redis: aioredis.Redis, model: str, worker_id: str,
-                 events_ttl_s: int, max_inbox_batches: int, shard: int = 0) -> None:
+                 events_ttl_s: int, max_inbox_batches: int, shard: int = 0, step_timeout_s: float = 60.0) -> None:
         self.engine = engine
         self.redis = redis
         self.inbox = Inbox(redis, model, worker_id, shard)
@@ -85,9 +87,10 @@ class WorkerLoop:
         self.max_inbox_batches = max_inbox_batches
         self.state = LoopState()
         self.accepting = True
-        self.snapshot = Snapshot(total_blocks=engine.config.num_blocks, free_blocks=engine.config.num_blocks)
+        self.snapshot: EngineStats = engine.stats()
+        self.step_timeout_s = step_timeout_s
         self._stop = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self.step_thread = StepThread("engine-step")
         self._last_preemptions = 0
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -96,15 +99,16 @@ class WorkerLoop:
         while not self._stop.is_set():
             try:
                 await self._turn()
-            except REDIS_ERRORS as exc:
+            except UNAVAILABLE_ERRORS as exc:
                 logger.warning("redis unavailable; retrying", error=repr(exc))
                 await asyncio.sleep(0.5)
 
     def stop(self) -> None:
         self._stop.set()
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop the step thread; `wait=False` after a failure (a hung step never ends)."""
+        self.step_thread.close(wait)
 
     @property
     def busy(self) -> bool:
@@ -113,20 +117,19 @@ class WorkerLoop:
 
     # --- one turn ----------------------------------------------------------------------------
     async def _turn(self) -> None:
-        read_inbox = self.accepting and len(self.engine.waiting) < self.engine.config.max_num_seqs
+        read_inbox = self.accepting and self.engine.can_take_more()
         if read_inbox and not (self.busy and self.inbox.caught_up):
-            for entry in await self.inbox.read(self.max_inbox_batches, None if self.busy else IDLE_BLOCK_MS):
-                self._accept_entry(entry)
+            entries = await self.inbox.read(self.max_inbox_batches, None if self.busy else IDLE_BLOCK_MS)
+            for arrival in await self._arrivals(entries):
+                self._accept(arrival)
             read_inbox = False
         live = [t for t in self.state.tracked.values() if not t.seq.is_finished]
-        step = None
-        if self.engine.has_work():
-            step = asyncio.get_running_loop().run_in_executor(self._executor, self._step)
+        step = self.step_thread.submit(self._step) if self.engine.has_work() else None
         try:
             apply_replies = await self._exchange(live, read_inbox)
         finally:
             if step is not None:                     # even when the exchange failed: keep its tokens
-                self._emit_outputs(await step)
+                self._emit_outputs(await self._step_done(step))
         apply_replies()
         if step is None and not self.accepting:
             await asyncio.sleep(0.02)
@@ -159,12 +162,13 @@ class WorkerLoop:
         refused = self.publisher.refused(emissions, replies)
         cancelled = replies[len(emissions):len(emissions) + len(live)]
         entries = await self.inbox.entries(replies[len(emissions) + len(live)]) if read_inbox else []
+        arrivals = await self._arrivals(entries)
 
         def apply() -> None:
             self._stop_fenced(refused)
             self._stop_cancelled_and_expired(live, cancelled)
-            for entry in entries:
-                self._accept_entry(entry)
+            for arrival in arrivals:
+                self._accept(arrival)
         return apply
 
     def _step(self) -> list[StepOutput]:
@@ -173,28 +177,53 @@ class WorkerLoop:
         elapsed = time.perf_counter() - start
         new_tokens = sum(len(o.new_token_ids) for o in outputs)
         metrics.STEP_SECONDS.observe(elapsed)
-        metrics.BATCH_TOKENS.observe(self.engine.counters.last_batch_tokens)
+        metrics.BATCH_TOKENS.observe(self.engine.stats().last_batch_tokens)
         metrics.GENERATED.inc(new_tokens)
         metrics.TOKENS_PER_S.set(new_tokens / elapsed if elapsed > 0 else 0.0)
         return outputs
 
-    def _accept_entry(self, entry: InboxEntry) -> None:
+    async def _step_done(self, step: asyncio.Future[list[StepOutput]]) -> list[StepOutput]:
+        """The step's outputs, waiting at most until it has run step_timeout_s (the watchdog)."""
+        left = self.step_timeout_s - self.step_thread.running_for()
+        try:
+            return await asyncio.wait_for(step, max(0.0, left))
+        except TimeoutError:
+            raise StepTimeout(f"an engine step ran for more than {self.step_timeout_s} s "
+                              f"(thread {self.step_thread.name}, native id {self.step_thread.native_id})") from None
+
+    async def _arrivals(self, entries: list[InboxEntry]) -> list[Arrival]:
+        """New entries' requests, validated and their grammars compiled in a thread: a new schema
+        or the first vocabulary load takes seconds the heartbeat cannot wait."""
+        if not entries:
+            return []
+        return await asyncio.to_thread(lambda: [self._arrival(entry) for entry in entries])
+
+    def _arrival(self, entry: InboxEntry) -> Arrival:
+        requests = []
+        for item in entry.batch.items:
+            problem = validate_item(item, self.engine.vocab_size)
+            tracked = Tracked.from_item(item, entry.entry_id)
+            if not problem:
+                self.engine.prepare(tracked.seq)
+            requests.append((tracked, problem))
+        return Arrival(entry, requests)
+
+    def _accept(self, arrival: Arrival) -> None:
+        entry = arrival.entry
         if entry.entry_id in self.state.entries or entry.entry_id in self.state.unacked:
             return                                   # read again after a lost reply: already here
         open_ids: set[int] = set()
         self.state.entries[entry.entry_id] = open_ids
-        for item in entry.batch.items:
-            tracked = Tracked.from_item(item, entry.entry_id)
+        for tracked, problem in arrival.requests:
             self.state.tracked[tracked.seq.seq_id] = tracked
             open_ids.add(tracked.seq.seq_id)
-            self._admit(tracked)
+            self._admit(tracked, problem)
         logger.info("batch accepted", batch_id=entry.batch.batch_id, entry_id=entry.entry_id,
                     items=len(entry.batch.items))
         if not open_ids:
             self._close_entry(entry.entry_id)
 
-    def _admit(self, tracked: Tracked) -> None:
-        problem = validate_item(tracked.item, self.engine.model.config.vocab_size)
+    def _admit(self, tracked: Tracked, problem: str) -> None:
         if problem:
             self._queue(Emission(tracked, final=True, error=InvalidArgument("prompt_token_ids", problem)))
         elif tracked.expired(now_ms()):
@@ -279,21 +308,13 @@ class WorkerLoop:
                            epoch=tracked.item.dispatch_epoch)
 
     def _take_snapshot(self) -> None:
-        e = self.engine
-        preemptions = e.scheduler.num_preemptions
-        metrics.PREEMPTIONS.inc(preemptions - self._last_preemptions)
-        self._last_preemptions = preemptions
-        self.snapshot = Snapshot(
-            running=len(e.running), waiting=len(e.scheduler.waiting),
-            free_blocks=e.block_manager.num_free_blocks, total_blocks=e.config.num_blocks,
-            generated_tokens=e.counters.generated_tokens, preemptions=preemptions,
-            prefix_hit_rate=e.block_manager.stats.hit_rate,
-            cached_prefix_hashes=tuple(e.block_manager.cached_hashes(ADVERTISED_PREFIX_HASHES)),
-        )
-        metrics.RUNNING.set(self.snapshot.running)
-        metrics.WAITING.set(self.snapshot.waiting)
-        metrics.KV_USAGE.set(e.block_manager.usage)
-        metrics.PREFIX_HIT_RATE.set(self.snapshot.prefix_hit_rate)
+        self.snapshot = s = self.engine.stats(prefix_hashes=ADVERTISED_PREFIX_HASHES)
+        metrics.PREEMPTIONS.inc(s.preemptions - self._last_preemptions)
+        self._last_preemptions = s.preemptions
+        metrics.RUNNING.set(s.running)
+        metrics.WAITING.set(s.waiting)
+        metrics.KV_USAGE.set(s.kv_usage)
+        metrics.PREFIX_HIT_RATE.set(s.prefix_hit_rate)
 
     # --- drain -------------------------------------------------------------------------------
     def unfinished(self) -> list[Tracked]:

@@ -12,32 +12,43 @@ holds there: a command that hit a dead or timed-out node is not sent again (the 
 marks its slot map stale and the next command reloads it), while MOVED, ASK and TRYAGAIN
 are followed, because a node that answers with a redirect did not run the command. A
 failover in progress (CLUSTERDOWN) is raised as `UNAVAILABLE_ERRORS`, like a dropped
-connection. Multi-key commands, scripts and MULTI must keep their keys in one hash slot
+connection. `UNAVAILABLE_ERRORS` is the one list of "Redis cannot take commands right now" for
+every service (llmserve/retry.py, the status mapping of llmserve/server.py, the worker and
+batcher loops). Multi-key commands, scripts and MULTI must keep their keys in one hash slot
 (llmserve/keys.py); the cluster client refuses any that do not before sending them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import cast
 
 import redis
 import redis.asyncio as aioredis
 import redis.exceptions
+import structlog
+import tenacity
 from redis._parsers.commands import AsyncCommandsParser
-from redis.asyncio.cluster import AbstractStrategy, ClusterPipeline, TransactionStrategy
+from redis.asyncio.cluster import AbstractStrategy, ClusterPipeline, PipelineStrategy, TransactionStrategy
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
-# Redis errors that mean "Redis is not reachable right now" (retryable, UNAVAILABLE to callers);
-# for each, the command did not run or its outcome is unknown to the client.
+logger = structlog.get_logger(__name__)
+
+# Redis errors that mean "Redis cannot take commands right now" (retryable, UNAVAILABLE to
+# callers); for each, the command did not run or its outcome is unknown to the client.
 UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
-    redis.exceptions.ConnectionError,
+    redis.exceptions.ConnectionError,        # also AuthenticationError and LOADING (BusyLoadingError)
     redis.exceptions.TimeoutError,
+    redis.exceptions.OutOfMemoryError,       # OOM: maxmemory reached under `noeviction`
+    redis.exceptions.ReadOnlyError,          # READONLY: a replica, or a master being failed over
+    redis.exceptions.TryAgainError,          # TRYAGAIN: a multi-key command during a slot migration
     redis.exceptions.ClusterDownError,       # CLUSTERDOWN / MASTERDOWN: a failover in progress
     redis.exceptions.SlotNotCoveredError,    # the slot map is being rebuilt
+    redis.exceptions.ClusterError,           # "TTL exhausted": redirects and reconnects ran out mid-failover
 )
 
 _PROBE_TIMEOUT_S = 2.0
@@ -83,6 +94,36 @@ def connect(url: str, password: str = "", *, socket_timeout: float | None = 5.0,
     return cast(ClusterClient, ClusterClient.from_url(url, **kwargs))   # from_url is typed as the base class
 
 
+async def connect_when_up(url: str, password: str = "", *, wait_s: float, socket_timeout: float | None = 5.0,
+                          max_connections: int = 64) -> aioredis.Redis | ClusterClient:
+    """`connect()`, waiting up to `wait_s` for a Redis that is not reachable yet (a service started
+    before it, or during its restart): attempts with jittered exponential backoff, each logged.
+
+    Raises:
+        the last attempt's error once `wait_s` is spent.
+    """
+    def log(state: tenacity.RetryCallState) -> None:
+        logger.warning("redis not reachable yet; waiting", url=_redacted(url), attempt=state.attempt_number,
+                       retry_in_s=round(state.upcoming_sleep, 2),
+                       error=repr(state.outcome.exception() if state.outcome else None))
+
+    retrying = tenacity.AsyncRetrying(
+        sleep=asyncio.sleep, reraise=True, stop=tenacity.stop_after_delay(wait_s),
+        wait=tenacity.wait_random_exponential(multiplier=0.1, max=5.0),
+        retry=tenacity.retry_if_exception_type(UNAVAILABLE_ERRORS), before_sleep=log)
+    async for attempt in retrying:
+        with attempt:
+            return await asyncio.to_thread(connect, url, password, socket_timeout=socket_timeout,
+                                           max_connections=max_connections)
+    raise AssertionError("unreachable: tenacity re-raises the last error")
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password in it (for logs)."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if "@" in rest else url
+
+
 def connect_sync(url: str, password: str = "", *, socket_timeout: float | None = 5.0) -> redis.Redis | RedisCluster:
     """A blocking client (CLI, tests, benches) with the same choice and the same no-re-send policy."""
     kwargs = dict(socket_timeout=socket_timeout, socket_connect_timeout=2.0,
@@ -97,13 +138,14 @@ def _auth(password: str) -> dict[str, str]:
 
 
 class ClusterClient(AsyncRedisCluster):
-    """redis-py's asyncio cluster client with three fixes (redis-py 8.1):
+    """redis-py's asyncio cluster client with four fixes (redis-py 8.1):
 
     * the slot map is loaded before a command is routed: redis-py picks a command's routing
       policy before it initializes, so the first commands of a fresh (or reset) client that run
       concurrently go to an arbitrary node, collect MOVED, and five MOVED close every
       connection, failing the commands in flight on them;
     * MULTI commands are queued on the caller's thread (`_QueueHereTransaction`);
+    * a pipeline that failed for a dead or failing node reloads the slot map (`_ReloadingPipeline`);
     * XREAD / XREADGROUP keys are found without asking the server (`_StreamKeysParser`).
     """
 
@@ -117,9 +159,22 @@ class ClusterClient(AsyncRedisCluster):
 
     def pipeline(self, transaction=None, shard_hint=None) -> ClusterPipeline:
         pipe = super().pipeline(transaction, shard_hint)
-        if transaction:
-            pipe._execution_strategy = _QueueHereTransaction(pipe)
+        pipe._execution_strategy = _QueueHereTransaction(pipe) if transaction else _ReloadingPipeline(pipe)
         return pipe
+
+
+class _ReloadingPipeline(PipelineStrategy):
+    """A pipeline whose failure for an unavailable node marks the slot map stale, as a single command's
+    does. redis-py's pipeline (with no retries, our policy) only raises: a client whose other commands
+    all go to live nodes then keeps sending its pipelines to a master that was killed and replaced,
+    for good (seen in tests/cluster/test_cluster_failover.py: a worker whose events stayed unwritten)."""
+
+    async def execute(self, *args, **kwargs):
+        try:
+            return await super().execute(*args, **kwargs)
+        except UNAVAILABLE_ERRORS:
+            self._pipe.cluster_client._initialize = True      # the next command reloads it
+            raise
 
 
 class _QueueHereTransaction(TransactionStrategy):

@@ -22,6 +22,7 @@ The port is bound before anything else (port 0 = the kernel picks one) and, with
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 from collections.abc import Sequence
@@ -138,6 +139,9 @@ def _wrap_unary(behavior):
 
 
 def _wrap_stream(behavior):
+    if not inspect.isasyncgenfunction(behavior):
+        return _wrap_unary(behavior)    # it writes with context.write() (grpc health's Watch): awaited once
+
     async def wrapper(request, context):
         try:
             async for item in behavior(request, context):

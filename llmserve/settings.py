@@ -157,6 +157,8 @@ class CommonSettings(BaseSettings):
     metrics_port_file: str = setting("", "write the bound metrics port to this file once listening (for supervisors)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis/Valkey URL", env="REDIS_URL")
     redis_password: str = setting("", "Redis password (overrides the URL's)", secret=True)
+    redis_wait_s: float = setting(120.0, "seconds a service started before Redis is reachable waits for it "
+                                         "(jittered backoff, each attempt logged) before it exits")
     log_level: str = setting("info", "debug, info, warning or error")
     grace_s: float = setting(10.0, "seconds to finish in-flight work on SIGTERM")
     tls_cert: str = setting("", "PEM certificate file; with tls_key turns on TLS (re-read when the file changes)")
@@ -175,6 +177,7 @@ class CommonSettings(BaseSettings):
         require(self.log_level in ("debug", "info", "warning", "error"), "log_level",
                 "must be debug, info, warning or error")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        require(self.redis_wait_s >= 0, "redis_wait_s", "must be >= 0")
         require(1 <= self.queue_shards <= 1024, "queue_shards", "must be in 1..1024")
         require(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",
                 "must start with redis://, rediss:// or unix://")

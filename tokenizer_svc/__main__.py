@@ -24,8 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # missing file, unreadable GGUF, UnsupportedTokenizer, ...
         logger.error("cannot load model", error=str(exc))
         return 2
-    return asyncio.run(serve(TokenizerService(settings, models), settings, "tokenizer_svc",
-                             max_message_bytes=settings.max_message_bytes))
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        return await serve(TokenizerService(settings, models, stop), settings, "tokenizer_svc",
+                           max_message_bytes=settings.max_message_bytes, stop=stop)
+
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":

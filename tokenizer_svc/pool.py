@@ -17,12 +17,14 @@ import itertools
 import multiprocessing
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from llmserve.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from llmserve.tasks import TaskSupervisor
 from tokenizer_svc import metrics, pool_process, protocol
 from tokenizer_svc.dispatch import Dispatcher, ProcessLoad
 from tokenizer_svc.loader import ModelTokenizer
@@ -86,7 +88,8 @@ class Pool:
     """`size` processes, each holding every model; `submit()` runs one op on the least-loaded one."""
 
     def __init__(self, models: dict[str, ModelTokenizer], size: int, long_text_bytes: int,
-                 segment_cache_bytes: int) -> None:
+                 segment_cache_bytes: int, on_failure: Callable[[BaseException], None] = lambda _exc: None) -> None:
+        """`on_failure`: called once when a process's read loop raised (a bug here): the service fails."""
         self.models = models
         self.size = size
         self.long_text_bytes = long_text_bytes
@@ -97,7 +100,8 @@ class Pool:
         self.ids = itertools.count(1)
         self.closing = False
         self.crashes: dict[int, int] = {}  # index → consecutive crashes (restart backoff)
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = TaskSupervisor(on_failure)     # one read loop per process; it ends when the process does
+        self._generations = itertools.count()
         self._ready = asyncio.Event()
         self._context = multiprocessing.get_context("spawn")
 
@@ -150,11 +154,7 @@ class Pool:
         reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
         worker = PoolWorker(index, process, reader, writer)
         self.workers[index] = worker
-        self._track(asyncio.create_task(self._read_loop(worker)))
-
-    def _track(self, task: asyncio.Task) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.start(f"pool-read-{index}.{next(self._generations)}", self._read_loop(worker), may_return=True)
 
     async def _read_loop(self, worker: PoolWorker) -> None:
         try:
@@ -213,6 +213,7 @@ class Pool:
     async def close(self, timeout_s: float = 5.0) -> None:
         """Close every socket (each process finishes its queue and exits), then reap them."""
         self.closing = True
+        self.tasks.stopping = True
         _fail(self.backlog, Unavailable("tokenizer pool stopped"))
         self.backlog = []
         workers = list(self.workers.values())
@@ -223,8 +224,8 @@ class Pool:
         for worker in workers:
             if worker.process.is_alive():
                 worker.process.kill()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=timeout_s)
+        if readers := [self.tasks[name] for name in self.tasks.names()]:
+            await asyncio.wait(readers, timeout=timeout_s)
 
 
 def _unfinished(worker: PoolWorker) -> list[Job]:

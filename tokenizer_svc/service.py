@@ -3,6 +3,9 @@
 Each call: pick the model (empty = default; unknown → NOT_FOUND), check limits
 (INVALID_ARGUMENT), look the exact request up in the LRU cache, else run it on
 the pool under the caller's deadline (DEADLINE_EXCEEDED).
+
+The pool's read loops are supervised (llmserve/tasks.py): one that raises fails the service
+(`failure`, then the stop event: serve() goes NOT_SERVING and exits 1).
 """
 
 from __future__ import annotations
@@ -49,9 +52,13 @@ def load_models(specs: list[str]) -> dict[str, ModelTokenizer]:
 class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     service_names = (pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name,)
 
-    def __init__(self, settings: TokenizerSettings, models: dict[str, ModelTokenizer] | None = None) -> None:
-        """`models` (id → tokenizer) when already loaded; else start() loads settings.models."""
+    def __init__(self, settings: TokenizerSettings, models: dict[str, ModelTokenizer] | None = None,
+                 stop: asyncio.Event | None = None) -> None:
+        """`models` (id → tokenizer) when already loaded; else start() loads settings.models.
+        `stop`: the event serve() waits on, set when a pool task died."""
         self.settings = settings
+        self.stop_event = stop
+        self.failure: BaseException | None = None
         self.limits = Limits(settings.max_text_bytes, settings.max_messages, settings.max_batch_requests,
                              settings.max_decode_ids)
         self.models: dict[str, ModelTokenizer] = models or {}
@@ -69,9 +76,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self.infos = {name: pb.TokenizerInfo(model=name, tokenizer_json=m.to_json(), eos_token_ids=m.eos_token_ids,
                                              context_length=m.context_length) for name, m in self.models.items()}
         self.pool = Pool(self.models, self.settings.pool_size(), self.settings.long_text_bytes,
-                         self.settings.segment_cache_bytes)
+                         self.settings.segment_cache_bytes, on_failure=self._fail)
         await self.pool.start()
         logger.info("tokenizer pool ready", processes=self.settings.pool_size(), pids=self.pool.pids())
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        if self.stop_event is not None:
+            self.stop_event.set()
 
     async def drain(self) -> None:
         """Nothing to stop early: in-flight calls finish on the pool, which close() stops after them."""

@@ -8,10 +8,15 @@ The matcher state is a function of the tokens produced so far, nothing else:
 
 so a handed-off or reclaimed request resumes exactly where it was, and a preempted one
 (recomputed, same Sequence object) keeps its matcher untouched.
+
+Compiling a grammar (and the first wait for the vocabulary) can take seconds: the worker calls
+`start` off its event loop (`LLMEngine.prepare`), concurrently with a step, so the store's
+cache is locked; a grammar that does not compile is remembered as such.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,7 +40,7 @@ class Constraints:
     Args:
         tokenizer: llguidance tokenizer of the model (its EOS ids are the model's stop ids).
         vocab_size: width of the model's logits (may exceed the tokenizer's vocabulary).
-        capacity: compiled grammars kept (LRU).
+        capacity: compiled grammars (or their compile errors) kept (LRU).
     """
 
     def __init__(self, tokenizer: llguidance.LLTokenizer | Future[llguidance.LLTokenizer], vocab_size: int,
@@ -43,7 +48,8 @@ class Constraints:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.capacity = capacity
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[str, llguidance.LLMatcher | ConstraintError] = OrderedDict()
+        self._lock = threading.Lock()
         self._executor = llguidance.LLExecutor()
 
     @property
@@ -76,16 +82,24 @@ class Constraints:
         seq.matcher = matcher
 
     def _pristine(self, grammar: str) -> llguidance.LLMatcher:
-        matcher = self._compiled.get(grammar)
+        with self._lock:
+            matcher = self._compiled.get(grammar)
+            if matcher is not None:
+                self._compiled.move_to_end(grammar)
         if matcher is None:
-            matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if matcher.is_error():
-                raise ConstraintError(f"grammar does not compile: {matcher.get_error()}")
-            self._compiled[grammar] = matcher
-            if len(self._compiled) > self.capacity:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(grammar)
+            matcher = self._compile(grammar)   # outside the lock: one slow grammar holds up no other
+            with self._lock:
+                self._compiled[grammar] = matcher
+                if len(self._compiled) > self.capacity:
+                    self._compiled.popitem(last=False)
+        if isinstance(matcher, ConstraintError):
+            raise ConstraintError(str(matcher))   # a fresh one: no traceback piles up on the cached one
+        return matcher
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher | ConstraintError:
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return ConstraintError(f"grammar does not compile: {matcher.get_error()}")
         return matcher
 
     def apply_masks(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:

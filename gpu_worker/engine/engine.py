@@ -210,3 +210,60 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return [seq.output_token_ids for seq in seqs]
+
+    # --- what the engine tells its callers ---------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Width of the model's logits: every token id below it can be fed in."""
+        return self.model.config.vocab_size
+
+    def can_take_more(self) -> bool:
+        """Whether fewer sequences wait than one batch holds (worth reading more requests)."""
+        return len(self.scheduler.waiting) < self.config.max_num_seqs
+
+    def stats(self, prefix_hashes: int = 0) -> EngineStats:
+        """What the engine holds and did so far; with the `prefix_hashes` hottest cached block hashes."""
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            free_blocks=bm.num_free_blocks, total_blocks=self.config.num_blocks, kv_usage=bm.usage,
+            steps=self.counters.steps, generated_tokens=self.counters.generated_tokens,
+            last_batch_tokens=self.counters.last_batch_tokens, preemptions=self.scheduler.num_preemptions,
+            prefix_hit_rate=bm.stats.hit_rate,
+            cached_prefix_hashes=tuple(bm.cached_hashes(prefix_hashes)) if prefix_hashes else (),
+        )
+
+    def reset_stats(self) -> None:
+        """Forget the prefix cache and zero the counters (after a warm-up, so it shows in no stat)."""
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.stats.queried_tokens = self.block_manager.stats.hit_tokens = 0
+        self.counters = EngineCounters()
+        self.scheduler.num_preemptions = 0
+
+    def prepare(self, seq: Sequence) -> None:
+        """Compile `seq`'s grammar and give it its matcher before `add`, which then has nothing
+        left to compile. Thread-safe against `step()` (it touches no engine state): run it off the
+        event loop, since a new grammar or the first vocabulary load can take seconds. A grammar
+        that fails is left for `add` to refuse (the failure is cached, so that costs nothing)."""
+        if seq.params.grammar and self.constraints is not None:
+            try:
+                self.constraints.start(seq)
+            except ConstraintError:
+                pass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """`LLMEngine.stats()`: a copy, safe to read from any thread."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    kv_usage: float                     # fraction of KV blocks in use
+    steps: int
+    generated_tokens: int
+    last_batch_tokens: int              # tokens of the last step's batch
+    preemptions: int
+    prefix_hit_rate: float
+    cached_prefix_hashes: tuple[int, ...] = ()

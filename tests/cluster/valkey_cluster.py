@@ -5,6 +5,10 @@ MEET, replicas attached by CLUSTER REPLICATE.
     cluster = ValkeyCluster(masters=3).start()   # returns once every node says cluster_state:ok
     cluster.url                                  # the first node; clients discover the rest
     cluster.close()
+
+With replicas, `fail_over(master)` promotes the master's replica (CLUSTER FAILOVER, as an
+operator does for maintenance) and `kill_master(master)` kill -9s it, so the replica takes over
+once the others mark the master failed (node timeout): the two ways a master changes.
 """
 
 from __future__ import annotations
@@ -115,6 +119,36 @@ class ValkeyCluster:
         for node in (target, source, *[n for n in self.nodes if n not in (source, target)]):
             with node.client() as c:
                 c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+    def replica_of(self, master: ClusterNode) -> ClusterNode:
+        """The replica attached to `master` at start."""
+        return self.replicas[self.masters.index(master) % len(self.masters)]
+
+    def fail_over(self, master: ClusterNode, timeout_s: float = 30.0) -> ClusterNode:
+        """Promote `master`'s replica by CLUSTER FAILOVER; returns it once the cluster is ok again."""
+        replica = self.replica_of(master)
+        with replica.client() as c:
+            c.execute_command("CLUSTER", "FAILOVER")
+        self._wait_promoted(replica, [master, replica], time.monotonic() + timeout_s)
+        return replica
+
+    def kill_master(self, master: ClusterNode, timeout_s: float = 60.0) -> ClusterNode:
+        """kill -9 `master`; returns its replica once promoted and the cluster is ok again."""
+        replica = self.replica_of(master)
+        master.stop(kill=True)
+        self._wait_promoted(replica, [n for n in self.nodes if n is not master], time.monotonic() + timeout_s)
+        return replica
+
+    def _wait_promoted(self, replica: ClusterNode, live: list[ClusterNode], deadline: float) -> None:
+        while not (self._role(replica) == "master" and all(self._info(n).get("cluster_state") == "ok" for n in live)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {replica.port} not promoted: {[self._info(n) for n in live]}")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _role(node: ClusterNode) -> str:
+        with node.client() as c:
+            return c.info("replication")["role"]
 
     def error_stats(self) -> dict[str, dict[str, int]]:
         """Every node's `INFO errorstats`: {node port: {error prefix: count}}."""

@@ -1,15 +1,20 @@
 """The worker's engine loop in this process, on a tiny random Llama and a real Valkey: every busy
-turn writes the last step's events and takes new inbox entries, and entries whose read reply was
-lost are read again without running twice."""
+turn writes the last step's events and takes new inbox entries, entries whose read reply was
+lost are read again without running twice, and a grammar waiting for its vocabulary keeps the
+event loop free."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
+from concurrent.futures import Future
 
 import pytest
 import redis
 import torch
 
+from gpu_worker.engine.constraint import Constraints
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
@@ -17,18 +22,19 @@ from gpu_worker.requests import sampling_params
 from gpu_worker.worker_loop import WorkerLoop
 from llmserve import keys, queue, redis_client
 from llmserve.v1 import inference_pb2, queue_pb2
+from tokenizer_svc.loader import load_tokenizer
 
 VOCAB, MODEL, WORKER, TENANT = 128, "tiny", "w-loop", "t1"
 
 
-def make_engine() -> LLMEngine:
-    config = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+def make_engine(vocab_size: int = VOCAB, constraints: Constraints | None = None) -> LLMEngine:
+    config = ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=16, context_length=256, tie_word_embeddings=True)
     model = LlamaModel(config, device="cpu", dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
         p.data.copy_(torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=gen) * 0.2)
-    return LLMEngine.create(model, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8))
+    return LLMEngine.create(model, EngineConfig(num_blocks=64, block_size=4, max_num_seqs=8), constraints=constraints)
 
 
 def item(request_id: str, max_new: int) -> queue_pb2.WorkItem:
@@ -104,3 +110,31 @@ async def test_entries_read_again_after_a_lost_reply_do_not_run_twice(loop, clea
         out, finals = tokens(clean_redis, it)
         assert len(out) == it.sampling.max_new_tokens and finals == 1, it.request_id
     assert clean_redis.xpending(keys.inbox_stream(MODEL, WORKER), keys.INBOX_GROUP)["pending"] == 0
+
+
+@pytest.mark.timeout(120)   # a loop blocked on the load hangs here: fail in bounded time
+async def test_a_grammar_waiting_for_its_vocabulary_leaves_the_event_loop_free(redis_url, clean_redis, smollm2_path):
+    vocab = load_tokenizer(smollm2_path)
+    loading: Future = Future()                     # the vocabulary load the worker starts in the background
+    client = redis_client.connect(redis_url)
+    worker_loop = WorkerLoop(make_engine(vocab.vocab_size, Constraints(loading, vocab.vocab_size)), client, MODEL,
+                             WORKER, events_ttl_s=60, max_inbox_batches=4)
+    try:
+        await worker_loop.inbox.ensure_group()
+        it = item("digits", 8)
+        it.sampling.response_format.regex = "[0-9]{3}"
+        it.sampling.stop_token_ids.extend(vocab.eos_token_ids)
+        dispatch(clean_redis, "b1", [it])
+        turn = asyncio.create_task(worker_loop._turn())
+        for _ in range(20):                        # a loop blocked on the load would never get here
+            await asyncio.sleep(0.01)
+        assert not turn.done()
+        loading.set_result(Constraints.from_tokenizer_json(vocab.to_json(), vocab.eos_token_ids,
+                                                           vocab.vocab_size).tokenizer)
+        await turn
+        await run_until_idle(worker_loop)
+        out, finals = tokens(clean_redis, it)
+        assert finals == 1 and re.fullmatch("[0-9]{3}", vocab.decode(out)), vocab.decode(out)
+    finally:
+        worker_loop.close()
+        await client.aclose()

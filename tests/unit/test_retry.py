@@ -27,6 +27,24 @@ def test_retryable_classification():
     assert not is_retryable(InvalidArgument("prompt", "empty"))
 
 
+@pytest.mark.parametrize("reply", ["OOM command not allowed when used memory > 'maxmemory'.",
+                                   "READONLY You can't write against a read only replica.",
+                                   "LOADING Valkey is loading the dataset in memory",
+                                   "CLUSTERDOWN The cluster is down", "MASTERDOWN Link with MASTER is down",
+                                   "TRYAGAIN Multiple keys request during rehashing of slot"])
+def test_server_replies_that_mean_unavailable_are_retryable(reply):
+    """As redis-py's parser turns each error reply into an exception (by its first word)."""
+    from redis._parsers.base import BaseParser
+
+    assert is_retryable(BaseParser.parse_error(reply))
+
+
+def test_cluster_slot_map_gaps_are_retryable_and_wrong_commands_are_not():
+    assert is_retryable(redis.exceptions.SlotNotCoveredError("slot 7 not covered"))
+    assert not is_retryable(redis.exceptions.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"))
+    assert not is_retryable(redis.exceptions.NoScriptError("NOSCRIPT No matching script"))
+
+
 def _sleeps_of(policy, failures):
     sleeps = []
     policy.sleep = sleeps.append  # record instead of sleeping
