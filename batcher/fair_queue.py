@@ -1,20 +1,28 @@
-"""Local read-ahead queues: strict priority between classes, round-robin across tenants.
+"""Local read-ahead queues: strict priority between classes, token-fair across tenants.
 
 Items read from the work streams stay pending in the consumer group (nothing is
 lost if this process dies) and wait here until a batch takes them:
 
-    HIGH   tenant a: [a1 a2 a3 ...]   rotation: a, b        batch = a1 b1 a2 ...
-    NORMAL tenant c: [c1]                                    (HIGH first, then NORMAL,
-    LOW    ...                                               then LOW)
+    HIGH   tenant a: [a1 a2 a3 ...]   served (virtual tokens): a 4,000  b 3,900
+    NORMAL tenant c: [c1]             next item: the head of the least-served tenant
+    LOW    ...                        (HIGH first, then NORMAL, then LOW)
 
-A tenant with 1,000 queued items gets one slot per round, like any other
-tenant of its class, so another tenant's single item rides in the next batch.
+Within a class, each tenant has a virtual token counter (VTC): every item it is
+served adds the tokens that item costs (prompt and prior output, which the worker
+prefills, plus the new tokens it may still generate: the batcher never sees the
+tokens actually generated, so it charges max_new_tokens at dispatch) divided by
+the tenant's weight (`tenant_weight` of the work item, from the tenants file).
+The least-served tenant goes next (ties: the one served longest ago), so tenants
+get tokens in proportion to their weights whatever their prompt lengths, and a
+tenant alone gets everything. A tenant that (re)joins the class is lifted to the
+least counter of the active tenants (the highest seen, when none is), so idling
+banks no credit.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from llmserve import keys
@@ -39,46 +47,63 @@ class Held:
     def prompt_tokens(self) -> int:
         return len(self.item.prompt_token_ids) + len(self.item.generated_token_ids)
 
+    @property
+    def virtual_tokens(self) -> float:
+        """What serving this item adds to its tenant's counter: context plus the new tokens it may
+        still generate, over the tenant's weight."""
+        remaining = max(0, self.item.sampling.max_new_tokens - len(self.item.generated_token_ids))
+        return (self.prompt_tokens + remaining) / (self.item.tenant_weight or 1.0)
+
 
 @dataclass
 class _ClassQueue:
-    """One priority class: a FIFO per tenant and the order tenants are served in."""
+    """One priority class: a FIFO per tenant (active tenants only), served least-served first."""
 
     tenants: OrderedDict[str, deque[Held]] = field(default_factory=OrderedDict)
+    served: dict[str, float] = field(default_factory=dict)   # tenant → virtual tokens served
     size: int = 0
 
     def push(self, held: Held) -> None:
-        self.tenants.setdefault(held.item.tenant, deque()).append(held)
+        tenant = held.item.tenant
+        if tenant not in self.tenants:
+            self._lift(tenant)
+            self.tenants[tenant] = deque()
+        self.tenants[tenant].append(held)
         self.size += 1
 
-    def take(self, admit: Callable[[Held], bool]) -> Iterator[Held]:
-        """Round-robin over tenants, one item per tenant per round, while `admit` accepts.
+    def _lift(self, tenant: str) -> None:
+        """A joining tenant starts no lower than the active ones (VTC's counter lift)."""
+        active = [self.served[t] for t in self.tenants]
+        floor = min(active) if active else max(self.served.values(), default=0.0)
+        self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
 
-        A tenant whose head item is refused sits out the rest of this batch; a
-        served tenant moves to the back of the rotation so the next batch
-        starts with the tenant after it.
+    def take(self, admit: Callable[[Held], bool]) -> Iterator[Held]:
+        """Least-served tenant first, one item at a time, while `admit` accepts.
+
+        A tenant whose head item is refused sits out the rest of this batch.
         """
         blocked: set[str] = set()
-        while self.size and len(blocked) < len(self.tenants):
-            progressed = False
-            for tenant in list(self.tenants):
-                if tenant in blocked:
-                    continue
-                fifo = self.tenants[tenant]
-                if not admit(fifo[0]):
-                    blocked.add(tenant)
-                    continue
-                progressed = True
-                yield self._pop(tenant)
-            if not progressed:
+        while self.size:
+            tenant = self.least_served(blocked)
+            if tenant is None:
                 return
+            if not admit(self.tenants[tenant][0]):
+                blocked.add(tenant)
+                continue
+            yield self._pop(tenant)
+
+    def least_served(self, blocked: Collection[str] = ()) -> str | None:
+        """The active tenant with the least counter; ties go to the one served longest ago."""
+        candidates = [t for t in self.tenants if t not in blocked]
+        return min(candidates, key=self.served.__getitem__, default=None)
 
     def _pop(self, tenant: str) -> Held:
         fifo = self.tenants.pop(tenant)
         held = fifo.popleft()
         self.size -= 1
+        self.served[tenant] += held.virtual_tokens
         if fifo:
-            self.tenants[tenant] = fifo  # re-inserted at the back: its turn is over
+            self.tenants[tenant] = fifo  # re-inserted at the back: it now loses ties
         return held
 
     def remove_if(self, pred: Callable[[Held], bool]) -> list[Held]:
@@ -126,11 +151,12 @@ class FairQueue:
         return True
 
     def peek(self) -> queue_pb2.WorkItem | None:
-        """The item the next `take` offers first (highest class, tenant first in its rotation)."""
+        """The item the next `take` offers first (highest class, its least-served tenant)."""
         for priority in keys.PRIORITY_ORDER:
-            tenants = self._classes[priority].tenants
-            if tenants:
-                return next(iter(tenants.values()))[0].item
+            queue = self._classes[priority]
+            tenant = queue.least_served()
+            if tenant is not None:
+                return queue.tenants[tenant][0].item
         return None
 
     def take(self, admit: Callable[[Held], bool]) -> list[Held]:

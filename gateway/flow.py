@@ -190,7 +190,8 @@ class Flow:
             request_id=call.request_id, tenant=call.tenant.id, model=meta.model, prompt_token_ids=prompt_ids,
             sampling=sampling, priority=priority, deadline_unix_ms=deadline_ms, arrival_unix_ms=meta.arrival_ms,
             enqueued_unix_ms=meta.enqueued_ms, events_key=keys.events_stream(call.tenant.id, call.request_id),
-            cancel_key=keys.cancel_key(call.tenant.id, call.request_id), cache_salt=call.tenant.cache_salt)
+            cancel_key=keys.cancel_key(call.tenant.id, call.request_id), cache_salt=call.tenant.cache_salt,
+            tenant_weight=call.tenant.weight)
 
     async def _enqueue(self, call: Call, meta: Meta, item: queue_pb2.WorkItem) -> None:
         key = keys.request_meta(call.tenant.id, call.request_id)

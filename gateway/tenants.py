@@ -12,6 +12,7 @@
         models: ["*"]            # aliases or concrete ids NAME@VERSION; a NAME allows all its versions
         cache_group: ""          # optional: tenants of one group share prefix-cache hits
         raw_special_tokens: false   # optional: special tokens spelled in `prompt` act as control tokens
+        weight: 1                # optional: share of tokens when tenants compete (batcher/fair_queue.py)
 
 Prefix-cache isolation: every work item carries the tenant's `cache_salt`, which
 enters the KV block hash chain. Without a cache_group each tenant has a salt of its
@@ -62,6 +63,7 @@ class Tenant:
     models: tuple[str, ...]
     cache_group: str = ""
     raw_special_tokens: bool = False
+    weight: float = 1.0
 
     @property
     def cache_salt(self) -> str:
@@ -111,6 +113,7 @@ def parse_tenant(raw: dict) -> Tenant:
         models=tuple(str(m) for m in raw.get("models") or ["*"]),
         cache_group=_cache_group(raw, tenant_id),
         raw_special_tokens=_flag(raw, "raw_special_tokens", tenant_id),
+        weight=_positive({"weight": 1, **raw}, "weight", tenant_id, float),
     )
 
 

@@ -63,7 +63,7 @@ class Tracked:
     def from_item(cls, item: queue_pb2.WorkItem, entry_id: str) -> Tracked:
         seq = Sequence(list(item.prompt_token_ids), sampling_params(item),
                        prior_output_ids=list(item.generated_token_ids), request_id=item.request_id,
-                       cache_salt=item.cache_salt)
+                       cache_salt=item.cache_salt, priority=item.priority)
         return cls(item, seq, entry_id)
 
     def expired(self, at_ms: int) -> bool:

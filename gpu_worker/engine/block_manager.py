@@ -101,6 +101,10 @@ class BlockManager:
     def has_blocks(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables
 
+    def num_exclusive_blocks(self, seq: Sequence) -> int:
+        """Blocks only `seq` holds: what `free(seq)` gives back to the free count."""
+        return sum(1 for b in self._tables.get(seq.seq_id, []) if self.blocks[b].ref_count == 1)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -32,6 +32,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    priority_preemption: bool = True     # scheduler.py step 0
+    aging_steps: int = 256               # starvation guard: waited steps per priority level
 
 
 @dataclass
@@ -72,7 +74,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_cache)
         self.context_length: int = model.config.context_length
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.priority_preemption, config.aging_steps),
                                    self.block_manager)
         self.constraints = constraints
         self.sampler = Sampler(constraints)

@@ -2,12 +2,24 @@
 
 Every step:
 
+    0. the waiting queue is put in rank order (higher level first, then older first);
+       while its head cannot be admitted for want of slots or KV blocks, it preempts the
+       running sequences that rank below it, lowest level and most recently started first,
+       as few as make it fit (none if even all of them would not), and is admitted at once;
     1. running sequences, oldest first, each takes min(uncomputed tokens, budget left):
        one token for a decode, a chunk for a long prefill (chunked prefill);
-       when the KV cache is full the newest running sequence is preempted (recompute):
-       its blocks are freed and it goes back to the head of the waiting queue;
+       when the KV cache is full the lowest-level, newest running sequence is preempted;
     2. waiting sequences are admitted in order while slots, token budget and blocks last
-       (nothing is admitted in a step that had to preempt).
+       (nothing is admitted in a step that had to preempt for KV room).
+
+Preemption is recompute: blocks are freed, output so far is kept, the sequence waits again.
+
+A sequence's level is its priority (LOW 1, NORMAL 2, HIGH 3; unspecified is NORMAL) plus one
+per `aging_steps` steps it has spent waiting, over all its waits, capped at HIGH (the starvation
+guard). Sequences of one level rank by age, so after (HIGH - p) * aging_steps waited steps a
+priority-p sequence ranks above every HIGH sequence younger than it: no later arrival can pass
+it in the queue or preempt it, and it preempts younger running sequences itself. So with nothing
+older ahead of it, a LOW sequence waits at most 2 * aging_steps + 1 steps.
 
 Sequences that finish, are cancelled or expire leave through `finish()` at once and free
 their blocks. Policy lives here; block bookkeeping in `BlockManager`.
@@ -20,12 +32,17 @@ from dataclasses import dataclass, field
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.sequence import Sequence, SequenceStatus
+from llmserve.v1 import inference_pb2
+
+_PRIORITIES = (inference_pb2.PRIORITY_LOW, inference_pb2.PRIORITY_NORMAL, inference_pb2.PRIORITY_HIGH)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 32               # running sequences at most
     max_num_batched_tokens: int = 512    # tokens in one forward (decodes + prefill chunks)
+    priority_preemption: bool = True     # step 0: a higher-ranked waiting sequence evicts running ones
+    aging_steps: int = 256               # waited steps per level gained (LOW waits <= 2x this + 1)
 
 
 @dataclass(frozen=True)
@@ -87,14 +104,69 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        self._order_waiting()
+        budget, admitted = self._preempt_for_priority(out, self.config.max_num_batched_tokens)
+        evicted = len(out.preempted)
+        budget = self._schedule_running(out, budget, [s for s in self.running if s not in admitted])
+        if len(out.preempted) == evicted:
+            self._order_waiting()
             self._admit_waiting(out, budget)
+        for seq in self.waiting:
+            seq.waited_steps += 1
         return out
 
+    # --- rank --------------------------------------------------------------------------------
+    def level(self, seq: Sequence) -> int:
+        """Priority plus one per `aging_steps` steps waited, at most HIGH."""
+        base = seq.priority if seq.priority in _PRIORITIES else inference_pb2.PRIORITY_NORMAL
+        return min(_PRIORITIES[-1], base + seq.waited_steps // self.config.aging_steps)
+
+    def _rank(self, seq: Sequence) -> tuple[int, int]:
+        """Higher is served first: level, then age (sequence ids grow with creation)."""
+        return self.level(seq), -seq.seq_id
+
+    def _order_waiting(self) -> None:
+        self.waiting = deque(sorted(self.waiting, key=self._rank, reverse=True))
+
+    def _victims(self, candidates: list[Sequence]) -> list[Sequence]:
+        """`candidates` (in start order) in the order they are preempted: lowest level, newest first."""
+        newest_first = candidates[::-1]
+        return sorted(newest_first, key=self.level)
+
+    # --- step 0: priority preemption ---------------------------------------------------------
+    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
+        admitted: list[Sequence] = []
+        while self.config.priority_preemption and self.waiting and budget > 0:
+            head = self.waiting[0]
+            victims = self._victims_for(head)
+            if not victims:
+                break
+            for victim in victims:
+                self._preempt(victim, out)
+            self.waiting.remove(head)
+            budget = self._admit(head, out, budget)
+            admitted.append(head)
+        return budget, admitted
+
+    def _victims_for(self, head: Sequence) -> list[Sequence]:
+        """The fewest lower-ranked running sequences whose preemption admits `head`; [] when it
+        fits already or cannot be made to fit."""
+        slots_short = len(self.running) - self.config.max_num_seqs + 1
+        blocks_short = 0 if self.blocks.can_allocate(head) else (
+            self.blocks.blocks_needed(head.num_tokens) - self.blocks.num_free_blocks)
+        if slots_short <= 0 and blocks_short <= 0:
+            return []
+        rank = self._rank(head)
+        chosen: list[Sequence] = []
+        for victim in self._victims([s for s in self.running if self._rank(s) < rank]):
+            chosen.append(victim)
+            blocks_short -= self.blocks.num_exclusive_blocks(victim)
+            if len(chosen) >= slots_short and blocks_short <= 0:
+                return chosen
+        return []
+
     # --- running -----------------------------------------------------------------------------
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        queue = list(self.running)
+    def _schedule_running(self, out: SchedulerOutput, budget: int, queue: list[Sequence]) -> int:
         while queue and budget > 0:
             seq = queue.pop(0)
             if not self._make_room(seq, queue, out):
@@ -108,18 +180,18 @@ class Scheduler:
         return budget
 
     def _make_room(self, seq: Sequence, queue: list[Sequence], out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until `seq` can grow; False if `seq` itself went."""
+        """Preempt the lowest, newest running sequences until `seq` can grow; False if `seq` itself went."""
         while not self.blocks.can_append(seq):
-            if queue:
-                self._preempt(queue.pop(), out)
-                continue
             if len(self.running) == 1:          # alone and still no room: it can never fit
                 self.running.remove(seq)
                 self.blocks.free(seq)
                 out.out_of_memory.append(seq)
-            else:
-                self._preempt(seq, out)
-            return False
+                return False
+            victim = self._victims([seq, *queue])[0]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+            queue.remove(victim)
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -134,6 +206,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq in out.preempted:             # evicted this step: it does not come back in it
+                break
             if not self.blocks.can_allocate(seq):
                 if not self.running and not out.scheduled:
                     self.waiting.popleft()       # bigger than the whole cache
@@ -141,13 +215,16 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            allocation = self.blocks.allocate(seq)
-            seq.num_computed_tokens = allocation.num_cached_tokens
-            if not seq.admitted:
-                seq.admitted = True
-                seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            num = min(seq.num_uncomputed, budget)
-            out.scheduled.append(ScheduledSeq(seq, num))
-            budget -= num
+            budget = self._admit(seq, out, budget)
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+        allocation = self.blocks.allocate(seq)
+        seq.num_computed_tokens = allocation.num_cached_tokens
+        if not seq.admitted:
+            seq.admitted = True
+            seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        num = min(seq.num_uncomputed, budget)
+        out.scheduled.append(ScheduledSeq(seq, num))
+        return budget - num

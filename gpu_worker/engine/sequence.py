@@ -72,6 +72,7 @@ class Sequence:
         prior_output_ids: tokens already generated (handoff); they count toward max_new_tokens.
         request_id: caller's id, carried through for events.
         cache_salt: prefix-cache salt (the work item's); blocks are shared only under the same salt.
+        priority: the work item's Priority (HIGH preempts lower running sequences; scheduler.py).
     """
 
     prompt_token_ids: list[int]
@@ -79,6 +80,7 @@ class Sequence:
     prior_output_ids: list[int] = field(default_factory=list)
     request_id: str = ""
     cache_salt: str = ""
+    priority: int = inference_pb2.PRIORITY_NORMAL
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -87,6 +89,7 @@ class Sequence:
     admitted: bool = False
     finish_reason: int = 0              # FinishReason; 0 = not finished
     failure: Failure | None = None      # why the sequence failed (None: it did not)
+    waited_steps: int = 0               # scheduler steps spent waiting, over all its waits (aging)
     matcher: Any = None                 # llguidance.LLMatcher of params.grammar (engine/constraint.py)
 
     def __post_init__(self) -> None:

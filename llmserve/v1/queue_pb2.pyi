@@ -28,7 +28,7 @@ class ResolvedSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[_inference_pb2.ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch")
+    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class WorkItem(_message.Message):
     DELIVERIES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     model: str
@@ -59,7 +60,8 @@ class WorkItem(_message.Message):
     deliveries: int
     cache_salt: str
     dispatch_epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ...) -> None: ...
+    tenant_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "items", "created_unix_ms")

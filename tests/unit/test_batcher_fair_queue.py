@@ -1,6 +1,9 @@
-"""FairQueue: strict priority, round-robin across tenants, budgets, dedupe. No servers."""
+"""FairQueue: strict priority, token-fair (VTC) across tenants, budgets, dedupe. No servers."""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
 
 from batcher.fair_queue import FairQueue, Held
 from llmserve.v1 import inference_pb2, queue_pb2
@@ -9,9 +12,12 @@ HIGH, NORMAL, LOW = inference_pb2.PRIORITY_HIGH, inference_pb2.PRIORITY_NORMAL, 
 
 
 def make_held(request_id: str, tenant: str = "t", priority: int = NORMAL, prompt_len: int = 4,
-              read_at: float = 0.0, entry_id: str | None = None) -> Held:
+              read_at: float = 0.0, entry_id: str | None = None, max_new: int = 0, weight: float = 0.0,
+              generated: int = 0) -> Held:
     item = queue_pb2.WorkItem(request_id=request_id, tenant=tenant, priority=priority,
-                              prompt_token_ids=list(range(prompt_len)))
+                              prompt_token_ids=list(range(prompt_len)), tenant_weight=weight,
+                              sampling=queue_pb2.ResolvedSampling(max_new_tokens=max_new),
+                              generated_token_ids=list(range(generated)))
     return Held(f"stream-{priority}", entry_id or f"{request_id}-0", item, read_at)
 
 
@@ -67,7 +73,7 @@ def test_refused_head_skips_tenant_but_not_others():
               make_held("b1", "b", prompt_len=5)])
     # budget 20: the first item always fits; after that only small ones do, a is blocked behind "big"
     assert take_ids(q, 8, token_budget=20) == ["big"]
-    assert take_ids(q, 8, token_budget=20) == ["b0", "a1", "b1"]
+    assert take_ids(q, 8, token_budget=20) == ["b0", "b1", "a1"]  # a was charged 90 tokens for "big"
 
 
 def test_duplicate_entries_are_held_once_and_tokens_tracked():
@@ -95,3 +101,61 @@ def test_peek_is_what_the_next_batch_starts_with():
     assert q.peek().request_id == "h0"
     assert take_ids(q, 2) == ["h0", "n0"]
     assert q.peek().request_id == "n1"   # tenant a served: b is next in the rotation
+
+
+# --- token fairness (virtual token counter) -----------------------------------------------------
+def first(limit: int) -> Callable[[Held], bool]:
+    """An admit callback that takes `limit` items."""
+    taken = itertools.count(1)
+    return lambda _held: next(taken) <= limit
+
+
+def tokens_by_tenant(queue: FairQueue, batches: int, limit: int = 8) -> dict[str, int]:
+    served: dict[str, int] = {}
+    for _ in range(batches):
+        for held in queue.take(first(limit)):
+            charge = held.prompt_tokens + held.item.sampling.max_new_tokens
+            served[held.item.tenant] = served.get(held.item.tenant, 0) + charge
+    return served
+
+
+def test_least_served_tenant_goes_next_counting_tokens():
+    q = FairQueue()
+    q.extend(make_held(f"a{i}", "a", prompt_len=40) for i in range(3))
+    q.extend(make_held(f"b{i}", "b", prompt_len=10) for i in range(6))
+    assert take_ids(q, 8) == ["a0", "b0", "b1", "b2", "b3", "a1", "b4", "b5"]
+
+
+def test_long_and_short_prompts_at_the_same_request_count_get_equal_tokens():
+    q = FairQueue()
+    # both keep a backlog (the same 1,000 requests each): round-robin would serve them 240 requests
+    # each, 30x the tokens to "long"; token-fair serves ~31 short requests per long one
+    q.extend(make_held(f"long{i}", "long", prompt_len=2000, max_new=16) for i in range(1000))
+    q.extend(make_held(f"short{i}", "short", prompt_len=50, max_new=16) for i in range(1000))
+    served = tokens_by_tenant(q, batches=60)
+    assert abs(served["long"] - served["short"]) <= 0.1 * served["short"]
+    assert served == {"long": 16 * 2016, "short": 464 * 66}
+
+
+def test_weights_two_to_one_are_honoured():
+    q = FairQueue()
+    q.extend(make_held(f"a{i}", "a", prompt_len=10, weight=2.0) for i in range(30))
+    q.extend(make_held(f"b{i}", "b", prompt_len=10, weight=1.0) for i in range(30))
+    assert take_ids(q, 9) == ["a0", "b0", "a1", "b1", "a2", "a3", "b2", "a4", "a5"]
+    served = tokens_by_tenant(q, batches=3, limit=9)
+    assert served == {"a": 180, "b": 90}
+
+
+def test_a_lone_tenant_drains_and_an_idle_tenant_banks_no_credit():
+    q = FairQueue()
+    q.extend(make_held(f"a{i}", "a") for i in range(104))
+    assert take_ids(q, 100) == [f"a{i}" for i in range(100)]   # alone: everything, in order
+    q.extend(make_held(f"b{i}", "b") for i in range(10))       # new: starts level with a, not 400 behind
+    assert take_ids(q, 4) == ["a100", "b0", "a101", "b1"]
+    assert take_ids(q, 10) == ["a102", "b2", "a103", "b3", "b4", "b5", "b6", "b7", "b8", "b9"]
+    assert len(q) == 0
+
+
+def test_charge_counts_prior_output_and_the_new_tokens_left():
+    held = make_held("r", prompt_len=10, max_new=8, generated=3, weight=2.0)
+    assert held.virtual_tokens == (10 + 3 + 5) / 2

@@ -82,3 +82,11 @@ def test_cache_salt_is_per_tenant_unless_tenants_share_a_cache_group():
 def test_raw_special_tokens_is_off_unless_the_file_says_true():
     assert {t.raw_special_tokens for t in parse_tenants(DOC).values()} == {False}
     assert {t.raw_special_tokens for t in parse_tenants(DOC + "    raw_special_tokens: true\n").values()} == {True}
+
+
+def test_weight_defaults_to_one_and_must_be_positive():
+    assert {t.weight for t in parse_tenants(DOC).values()} == {1.0}
+    assert {t.weight for t in parse_tenants(DOC + "    weight: 2.5\n").values()} == {2.5}
+    for bad in ("0", "-1", "heavy"):
+        with pytest.raises(TenantsError):
+            parse_tenants(DOC + f"    weight: {bad}\n")

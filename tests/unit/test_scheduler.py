@@ -5,6 +5,7 @@ from __future__ import annotations
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from llmserve.v1 import inference_pb2
 
 BS = 4
 
@@ -125,3 +126,124 @@ def test_no_admission_in_a_step_that_preempted():
     assert out.preempted == [b]
     assert [s.seq for s in out.scheduled] == [a]
     assert list(sched.waiting) == [b, c]
+
+
+# --- priority preemption and aging ------------------------------------------------------------
+LOW, NORMAL, HIGH = inference_pb2.PRIORITY_LOW, inference_pb2.PRIORITY_NORMAL, inference_pb2.PRIORITY_HIGH
+
+
+def make_prio(n: int, start: int, priority: int) -> Sequence:
+    return Sequence(list(range(start, start + n)), SamplingParams(temperature=0.0), priority=priority)
+
+
+def make_prio_scheduler(num_blocks: int = 16, max_seqs: int = 8, aging_steps: int = 256,
+                        preemption: bool = True) -> Scheduler:
+    config = SchedulerConfig(max_seqs, 64, priority_preemption=preemption, aging_steps=aging_steps)
+    return Scheduler(config, BlockManager(num_blocks, BS))
+
+
+def test_high_takes_the_slot_of_the_lowest_newest_running_sequence_at_once():
+    sched = make_prio_scheduler(max_seqs=3)
+    low1, normal, low2 = make_prio(3, 0, LOW), make_prio(3, 10, NORMAL), make_prio(3, 20, LOW)
+    for s in (low1, normal, low2):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq for s in out.scheduled] == [normal, low1, low2]     # admitted in rank order
+    run_step(sched, out)
+    high = make_prio(5, 30, HIGH)
+    sched.add(high)
+    out = sched.schedule()
+    assert out.preempted == [low2]
+    assert plan(out) == [(high.seq_id, 5), (normal.seq_id, 1), (low1.seq_id, 1)]
+    assert list(sched.waiting) == [low2]
+    assert low2.output_token_ids == [1000] and low2.num_computed_tokens == 0   # output kept, KV recomputed
+
+
+def test_high_preempts_as_few_as_free_its_blocks():
+    sched = make_prio_scheduler(num_blocks=6)
+    lows = [make_prio(7, 10 * i, LOW) for i in range(3)]       # two blocks each: the cache is full
+    for s in lows:
+        sched.add(s)
+    run_step(sched, sched.schedule())
+    high = make_prio(7, 100, HIGH)
+    sched.add(high)
+    out = sched.schedule()
+    assert out.preempted == [lows[2]]
+    assert plan(out) == [(high.seq_id, 7), (lows[0].seq_id, 1), (lows[1].seq_id, 1)]
+
+
+def test_no_preemption_of_equal_or_higher_rank_or_when_it_cannot_fit():
+    sched = make_prio_scheduler(num_blocks=6)
+    early, low = make_prio(7, 0, HIGH), make_prio(7, 10, LOW)
+    sched.add(early)
+    sched.add(low)
+    run_step(sched, sched.schedule())
+    late = make_prio(12, 100, HIGH)         # 3 blocks: only 2 free, and preempting low frees 2 more
+    sched.add(late)
+    out = sched.schedule()
+    assert out.preempted == [low] and plan(out)[0] == (late.seq_id, 12)
+    huge = make_prio(30, 200, HIGH)         # 8 blocks: more than the whole cache, nobody is evicted
+    sched.add(huge)
+    out = sched.schedule()
+    assert out.preempted == []
+    assert [s.seq for s in out.scheduled] == [early, late]
+
+
+def test_disabled_priority_preemption_leaves_high_waiting():
+    sched = make_prio_scheduler(max_seqs=1, preemption=False)
+    low, high = make_prio(3, 0, LOW), make_prio(3, 10, HIGH)
+    sched.add(low)
+    run_step(sched, sched.schedule())
+    sched.add(high)
+    out = sched.schedule()
+    assert out.preempted == [] and plan(out) == [(low.seq_id, 1)]
+    assert list(sched.waiting) == [high]
+
+
+def test_waiting_queue_is_in_priority_order_then_age():
+    sched = make_prio_scheduler(max_seqs=1)
+    low, normal_a, high, normal_b = (make_prio(2, 0, LOW), make_prio(2, 10, NORMAL), make_prio(2, 20, HIGH),
+                                     make_prio(2, 30, inference_pb2.PRIORITY_UNSPECIFIED))
+    for s in (low, normal_a, high, normal_b):
+        sched.add(s)
+    out = sched.schedule()
+    assert plan(out) == [(high.seq_id, 2)]
+    assert list(sched.waiting) == [normal_a, normal_b, low]
+
+
+def test_kv_pressure_preempts_the_lowest_level_not_the_newest():
+    sched = make_prio_scheduler(num_blocks=4)
+    low = make_prio(7, 0, LOW)
+    sched.add(low)
+    run_step(sched, sched.schedule())           # low: 8 tokens in 2 blocks
+    high = make_prio(7, 100, HIGH)
+    sched.add(high)
+    run_step(sched, sched.schedule())           # high takes the other 2 blocks; low now needs a third
+    out = sched.schedule()
+    assert out.preempted == [low]
+    assert plan(out) == [(high.seq_id, 1)]
+
+
+def test_aging_bounds_a_low_sequences_wait_under_a_high_flood():
+    aging = 3
+    sched = make_prio_scheduler(max_seqs=1, aging_steps=aging)
+    low = make_prio(2, 0, LOW)
+    sched.add(low)
+    steps_waited = 0
+    for step in range(40):
+        sched.add(make_prio(2, 100 + step, HIGH))   # a fresh HIGH arrives every step
+        out = sched.schedule()
+        if low in [s.seq for s in out.scheduled]:
+            break
+        steps_waited += 1
+        run_step(sched, out)
+        for seq in list(sched.running):             # each HIGH is done after one token
+            if seq.output_token_ids:
+                sched.finish(seq)
+    assert steps_waited == low.waited_steps == 2 * aging  # LOW gains a level every `aging` steps
+    assert sched.level(low) == HIGH
+    for step in range(3):                        # once aged it outranks every later HIGH: it keeps running
+        run_step(sched, out)
+        sched.add(make_prio(2, 200 + step, HIGH))
+        out = sched.schedule()
+        assert out.preempted == [] and [s.seq for s in out.scheduled] == [low]
