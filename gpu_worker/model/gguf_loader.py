@@ -94,7 +94,7 @@ def _rope_scaling(reader: GGUFReader, arch: str, source: object) -> RopeScaling 
     if kind in (None, "none"):
         return None
     if kind != "linear":
-        raise architectures.refusal(source, f"GGUF rope scaling {kind!r} (linear is; Llama 3's is rope_freqs)")
+        raise architectures.refusal(source, f"GGUF rope scaling {kind!r}")
     return RopeScaling(rope_type="linear", factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)))
 
 

@@ -44,7 +44,7 @@ def _rope_scaling(cfg: dict, source: Path) -> RopeScaling | None:
     if kind in (None, "default"):
         return None
     if kind not in ("llama3", "linear"):
-        raise architectures.refusal(source, f"rope scaling {kind!r} (llama3 and linear are)")
+        raise architectures.refusal(source, f"rope scaling {kind!r}")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     return RopeScaling(rope_type=kind, **{k: raw[k] for k in keys if k in raw})
 
