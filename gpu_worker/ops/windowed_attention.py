@@ -3,7 +3,7 @@ torch on any device: the layers whose attention the C and CUDA kernels do not co
 
 Shapes as in reference.py: T tokens of the step (prefills first, then one per decode), Hq/Hk query/kv
 heads, D head_dim. A query at position p of a windowed layer sees keys k with p - window < k <= p
-(Hugging Face's and llama.cpp's sliding window); only the blocks that hold those keys are read.
+(Hugging Face's and llama.cpp's sliding window).
 
     scores = q . k * scale  ->  cap * tanh(scores / cap)  ->  causal + window mask  ->  softmax . v
 """
@@ -47,21 +47,50 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
 
 
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """One query per sequence, batched, without reading anything on the host (CUDA-graph safe).
+
+    q: [B, Hq, D], block_tables: [B, W] int32, context_lens: [B] int32 (0 for padding rows) -> [B, Hq, D].
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    tables = block_tables.long()
+    k = k_cache.index_select(0, tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim).float()  # [B, W*bs, Hk, D]
+    v = v_cache.index_select(0, tables.flatten()).view(num_seqs, -1, num_kv_heads, head_dim).float()
+    k_pos = torch.arange(k.shape[1], device=q.device)[None, :]  # [1, W*bs]
+    lens = context_lens.long()[:, None]  # [B, 1]
+    visible = k_pos < lens
+    if window is not None:
+        visible &= k_pos >= lens - window
+    group = num_heads // num_kv_heads
+    q_grouped = q.float().view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hk, G, D]
+    scores = q_grouped @ k.permute(0, 2, 3, 1) * scale  # [B, Hk, G, W*bs]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = scores.softmax(dim=-1).nan_to_num(0.0) @ v.transpose(1, 2)  # [B, Hk, G, D]; padding rows: 0
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
     """Every query of the step over its sequence's cached context (the step's K/V already written).
 
     q: [T, Hq, D], k_cache/v_cache: [num_blocks, bs, Hk, D] -> [T, Hq, D]. Scores are computed in fp32.
+    Prefill chunks go one sequence at a time, reading only the blocks inside the window; decodes are
+    one batched call that reads no host values (a pure-decode step can be captured in a CUDA graph).
     """
     out = torch.empty_like(q)
-    starts, prefill_lens = meta.prefill_query_start_loc.tolist(), meta.prefill_context_lens.tolist()
-    for i, context_len in enumerate(prefill_lens):
-        lo, hi = starts[i], starts[i + 1]
-        if hi > lo:
-            out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, meta.prefill_block_tables[i], context_len,
-                                 scale, window, softcap)
     base = meta.num_prefill_tokens
-    for j, context_len in enumerate(meta.decode_context_lens.tolist()):
-        out[base + j: base + j + 1] = _attend(q[base + j: base + j + 1], k_cache, v_cache,
-                                              meta.decode_block_tables[j], context_len, scale, window, softcap)
+    if meta.num_prefills > 0:
+        starts, prefill_lens = meta.prefill_query_start_loc.tolist(), meta.prefill_context_lens.tolist()
+        for i, context_len in enumerate(prefill_lens):
+            lo, hi = starts[i], starts[i + 1]
+            if hi > lo:
+                out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, meta.prefill_block_tables[i], context_len,
+                                     scale, window, softcap)
+    if meta.num_decodes > 0:
+        out[base:] = _decode(q[base:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                             scale, window, softcap)
     return out
