@@ -12,6 +12,7 @@ from tiny_models import VOCAB, make_hf_dir
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.loader import load_model
+from gpu_worker.runner.cpu_step_layers import StepLayers
 
 pytest.importorskip("transformers")
 
@@ -56,7 +57,7 @@ def test_only_plain_llama_layers_take_the_one_call_cpu_step(model):
     """Phi-3 (fused in the file, plain Llama layers once loaded) may; the rest take the per-op path."""
     assert model.config.llama_layers == (model.config.architecture == "phi3")
     if not model.config.llama_layers:
-        assert model.cpu_layers is None
+        assert StepLayers.build(model) is None
 
 
 def test_batched_and_chunked_equals_each_alone(model):
