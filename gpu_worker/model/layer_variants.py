@@ -44,9 +44,18 @@ def takes_own_attention(config: ModelConfig, layer: int) -> bool:
 
 def attention(config: ModelConfig, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               meta: AttentionMetadata) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D] through the sliding window and soft-cap of `layer`."""
-    return windowed_attention.paged_attention(q, k_cache, v_cache, meta, config.attention_scale,
-                                              config.layer_window(layer), config.attn_logit_softcap)
+    """q: [T, Hq, D] (prefill tokens first) -> [T, Hq, D] through the sliding window and soft-cap of `layer`."""
+    scale, window, cap = config.attention_scale, config.layer_window(layer), config.attn_logit_softcap
+    out = torch.empty_like(q)
+    n = meta.num_prefill_tokens
+    if meta.num_prefills > 0:
+        out[:n] = windowed_attention.paged_prefill_attention(
+            q[:n], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            meta.prefill_context_lens, scale, window, cap)
+    if meta.num_decodes > 0:
+        out[n:] = windowed_attention.paged_decode_attention(
+            q[n:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, window, cap)
+    return out
 
 
 def extra_norms(config: ModelConfig) -> dict[str, int]:

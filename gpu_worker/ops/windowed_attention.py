@@ -3,7 +3,8 @@ torch on any device: the layers whose attention the C and CUDA kernels do not co
 
 Shapes as in reference.py: T tokens of the step (prefills first, then one per decode), Hq/Hk query/kv
 heads, D head_dim. A query at position p of a windowed layer sees keys k with p - window < k <= p
-(Hugging Face's and llama.cpp's sliding window).
+(Hugging Face's and llama.cpp's sliding window). Same arguments as the reference's paged attention, plus
+`window` and `softcap` (None: off); scores in fp32.
 
     scores = q . k * scale  ->  cap * tanh(scores / cap)  ->  causal + window mask  ->  softmax . v
 """
@@ -11,8 +12,6 @@ heads, D head_dim. A query at position p of a windowed layer sees keys k with p 
 from __future__ import annotations
 
 import torch
-
-from gpu_worker.model.metadata import AttentionMetadata
 
 
 def _keys(cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int) -> torch.Tensor:
@@ -47,9 +46,11 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """One query per sequence, batched, without reading anything on the host (CUDA-graph safe).
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, window: int | None,
+                           softcap: float | None) -> torch.Tensor:
+    """reference.paged_decode_attention with a window and a soft-cap: one query per sequence, batched,
+    reading nothing on the host (a pure-decode step can be captured in a CUDA graph).
 
     q: [B, Hq, D], block_tables: [B, W] int32, context_lens: [B] int32 (0 for padding rows) -> [B, Hq, D].
     """
@@ -73,24 +74,16 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """Every query of the step over its sequence's cached context (the step's K/V already written).
-
-    q: [T, Hq, D], k_cache/v_cache: [num_blocks, bs, Hk, D] -> [T, Hq, D]. Scores are computed in fp32.
-    Prefill chunks go one sequence at a time, reading only the blocks inside the window; decodes are
-    one batched call that reads no host values (a pure-decode step can be captured in a CUDA graph).
-    """
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """reference.paged_prefill_attention with a window and a soft-cap: one sequence at a time, reading only
+    the blocks inside the window. q: [T, Hq, D], block_tables: [S, max_blocks] int32, query_start_loc:
+    [S + 1] int32, context_lens: [S] int32 -> [T, Hq, D]."""
     out = torch.empty_like(q)
-    base = meta.num_prefill_tokens
-    if meta.num_prefills > 0:
-        starts, prefill_lens = meta.prefill_query_start_loc.tolist(), meta.prefill_context_lens.tolist()
-        for i, context_len in enumerate(prefill_lens):
-            lo, hi = starts[i], starts[i + 1]
-            if hi > lo:
-                out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, meta.prefill_block_tables[i], context_len,
-                                     scale, window, softcap)
-    if meta.num_decodes > 0:
-        out[base:] = _decode(q[base:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                             scale, window, softcap)
+    starts = query_start_loc.tolist()
+    for i, context_len in enumerate(context_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi > lo:
+            out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, block_tables[i], context_len, scale, window, softcap)
     return out

@@ -6,8 +6,18 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.model.metadata import AttentionMetadata
-from gpu_worker.ops import reference
-from gpu_worker.ops.windowed_attention import paged_attention
+from gpu_worker.ops import reference, windowed_attention
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, cap) -> torch.Tensor:
+    """Prefill rows, then decode rows, as a layer calls the two (layer_variants.attention)."""
+    n = meta.num_prefill_tokens
+    pre = windowed_attention.paged_prefill_attention(q[:n], k_cache, v_cache, meta.prefill_block_tables,
+                                                     meta.prefill_query_start_loc, meta.prefill_context_lens,
+                                                     scale, window, cap)
+    dec = windowed_attention.paged_decode_attention(q[n:], k_cache, v_cache, meta.decode_block_tables,
+                                                    meta.decode_context_lens, scale, window, cap)
+    return torch.cat([pre, dec])
 
 HQ, HK, D, BS = 4, 2, 8, 4
 TABLES = [[3, 0, 5, 1, 7], [2, 6, 4, 8, 9]]
