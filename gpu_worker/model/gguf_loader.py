@@ -58,10 +58,10 @@ _LAYER_NAMES = {
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """GGUF tensor name -> HF name of architecture `arch` (None for tensors that are not model weights,
-    e.g. rope_freqs). Gemma's `ffn_norm` is its pre_feedforward_layernorm, Phi-3's `ffn_up` its fused
-    gate_up_proj: the layer names depend on the architecture."""
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """GGUF tensor name -> HF name of architecture `arch` (ModelConfig.architecture; None for tensors that
+    are not model weights, e.g. rope_freqs). Gemma's `ffn_norm` is its pre_feedforward_layernorm, Phi-3's
+    `ffn_up` its fused gate_up_proj: the layer names depend on the architecture, so it has no default."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     match = _BLK.match(gguf_name)
