@@ -137,11 +137,29 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: dict, arch: str, file_type: in
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     writer.add_pad_token_id(cfg["pad_token_id"])
-    if arch.startswith("gemma"):
+    if cfg.get("sliding_window"):
         writer.add_sliding_window(cfg["sliding_window"])
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: Llama 3.1 RoPE scaling as the
+    per-frequency divisors of tensor `rope_freqs` [head_dim / 2]."""
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    old, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def write_gguf(hf_dir: Path, arch: str, path: Path,
@@ -152,6 +170,9 @@ def write_gguf(hf_dir: Path, arch: str, path: Path,
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
     file_type = {gguf.GGMLQuantizationType.F32: 0, gguf.GGMLQuantizationType.Q8_0: 7}.get(qtype, 1024)
     _write_metadata(writer, cfg, arch, file_type)
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, cfg["head_dim"]))
     for hf, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
