@@ -52,21 +52,22 @@ GGUF_ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "
              "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}
 
 
-def hf_config(arch: str, variant: bool = False):
+def hf_config(arch: str, variant: bool = False, **overrides):
     import transformers
 
     cls, extra = ARCHS[arch]
-    return getattr(transformers, cls)(**(BASE | extra | (SAFETENSORS_VARIANTS.get(arch, {}) if variant else {})))
+    variant_fields = SAFETENSORS_VARIANTS.get(arch, {}) if variant else {}
+    return getattr(transformers, cls)(**(BASE | extra | variant_fields | overrides))
 
 
 @torch.no_grad()
-def make_hf_dir(arch: str, path: Path, variant: bool = False, seed: int = 0) -> Path:
+def make_hf_dir(arch: str, path: Path, variant: bool = False, seed: int = 0, **overrides) -> Path:
     """A random-weight checkpoint of `arch` saved by transformers (safetensors, fp32). Every weight is
     drawn at a scale where the architecture's mechanisms (norm weights, soft-caps, windows) move the logits."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, variant), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, variant, **overrides), dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     norm_center = 0.0 if arch.startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     for name, p in model.named_parameters():
@@ -162,14 +163,43 @@ def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+# A Gemma-style SentencePiece vocabulary (byte fallback, no space prefix) and chat template, for a GGUF
+# that a whole stack serves: make_hf_dir(..., vocab_size=len(GEMMA_TOKENS), bos_token_id=1, eos_token_id=2)
+GEMMA_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                *(f"<0x{b:02X}>" for b in range(256)),
+                "▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "n", "he", "ll", "llo", "hello", "▁hello", "▁w",
+                "or", "▁wor", "ld", "▁world", "▁t", "▁th", "▁the", "an", "▁an", "▁and", "es", "▁yes", "▁no"]
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+                  "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def write_gemma_tokenizer(writer: gguf.GGUFWriter) -> None:
+    kinds = {"<pad>": gguf.TokenType.CONTROL, "<bos>": gguf.TokenType.CONTROL, "<eos>": gguf.TokenType.CONTROL,
+             "<unk>": gguf.TokenType.UNKNOWN, "<start_of_turn>": gguf.TokenType.CONTROL,
+             "<end_of_turn>": gguf.TokenType.CONTROL}
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(GEMMA_TOKENS)
+    writer.add_token_types([kinds.get(t, gguf.TokenType.BYTE if t.startswith("<0x") else gguf.TokenType.NORMAL)
+                            for t in GEMMA_TOKENS])
+    writer.add_token_scores([-float(i) for i in range(len(GEMMA_TOKENS))])
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+
+
 def write_gguf(hf_dir: Path, arch: str, path: Path,
-               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32, tokenizer: bool = False) -> Path:
     """The `arch` checkpoint in `hf_dir` as a GGUF: 2-D weights in `qtype` (F32 or a type gguf.quants
-    quantizes), norms F32. No tokenizer: the model readers size the vocabulary from the embedding."""
+    quantizes), norms F32; with `tokenizer`, the Gemma-style vocabulary above (the model's vocab_size
+    must be its length). Otherwise no tokenizer: the model readers size the vocabulary from the embedding."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
     file_type = {gguf.GGMLQuantizationType.F32: 0, gguf.GGMLQuantizationType.Q8_0: 7}.get(qtype, 1024)
     _write_metadata(writer, cfg, arch, file_type)
+    if tokenizer:
+        write_gemma_tokenizer(writer)
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, cfg["head_dim"]))
