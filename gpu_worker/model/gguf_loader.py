@@ -37,7 +37,7 @@ from llmserve.gguf_metadata import read_metadata
 
 logger = structlog.get_logger(__name__)
 
-CACHE_FORMAT = "1"
+CACHE_FORMAT = "2"  # 2: ModelConfig has the architectures' fields and llama.cpp's end-of-generation EOS set
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
