@@ -6,6 +6,8 @@ import asyncio
 import sys
 
 from gpu_worker.config import WorkerSettings
+from gpu_worker.model.architectures import UnsupportedModel
+from gpu_worker.model.loader import check_supported
 from gpu_worker.service import WorkerService
 from llmserve import model_store
 from llmserve.log import bind_model, configure_logging
@@ -19,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = WorkerSettings.load_or_exit(sys.argv[1:] if argv is None else argv,
                                            prog="python -m gpu_worker", description=DESCRIPTION)
     configure_logging("gpu_worker", settings.log_level)
+    try:
+        check_supported(settings.model)
+    except (UnsupportedModel, FileNotFoundError) as exc:  # the one line an operator needs, not a traceback
+        sys.stderr.write(f"python -m gpu_worker: {exc}\n")
+        return 2
     bind_model(model_store.model_id(settings.model))  # the concrete id, on every line of this worker
 
     async def run() -> int:

@@ -7,7 +7,9 @@ Two vocabulary families, chosen by `tokenizer.ggml.model`:
             and as the model's own tokenizer.json)
     "llama" SentencePiece-style BPE: tokens + scores, merges derived from the scores,
             byte fallback (<0xNN> tokens), spaces as "▁" (optionally one prepended to
-            each text fragment, as llama.cpp does)
+            each text fragment, as llama.cpp does): Llama 2, Mistral, Phi-3, Gemma.
+            Gemma files differ twice: tokens of several spaces are stored as spaces,
+            and their merge order is the token order, not the scores'.
 
 Token types (llama.cpp `llama_token_type`) decide what becomes an added token:
 CONTROL / UNKNOWN → special added token; USER_DEFINED → non-special added token.
@@ -15,6 +17,7 @@ CONTROL / UNKNOWN → special added token; USER_DEFINED → non-special added to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +40,10 @@ class UnsupportedTokenizer(ValueError):
     """The GGUF describes a tokenizer this loader cannot reproduce exactly."""
 
 
+# general.architecture values whose "llama" vocabulary is Gemma's
+GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
+
+
 @dataclass(frozen=True)
 class GGUFVocab:
     """The `tokenizer.ggml.*` metadata of one GGUF file."""
@@ -51,6 +58,7 @@ class GGUFVocab:
     unk_id: int | None
     add_bos: bool
     add_space_prefix: bool
+    architecture: str = "llama"     # general.architecture
 
 
 def _split_then_bytelevel(pattern: str) -> pre_tokenizers.PreTokenizer:
@@ -109,6 +117,7 @@ def read_vocab(fields: dict) -> GGUFVocab:
         unk_id=fields.get("tokenizer.ggml.unknown_token_id"),
         add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", model == "llama")),
         add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", model == "llama")),
+        architecture=fields.get("general.architecture") or "llama",
     )
 
 
@@ -170,10 +179,19 @@ def spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[i
     return [(left, right) for *_, left, right in ranked]
 
 
+def _gemma_respelled(vocab: GGUFVocab) -> GGUFVocab:
+    """Gemma: its runs-of-spaces tokens as the "▁" runs the normalizer makes of the text, and merges
+    ranked by token order (transformers' GGUF Gemma converter does the same)."""
+    tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in vocab.tokens]
+    return dataclasses.replace(vocab, tokens=tokens, scores=[-float(i) for i in range(len(tokens))])
+
+
 def build_llama(vocab: GGUFVocab) -> Tokenizer:
-    """SentencePiece-style BPE with byte fallback (Llama 2, Mistral, TinyLlama ...)."""
+    """SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Phi-3, Gemma, TinyLlama ...)."""
     if vocab.scores is None:
         raise UnsupportedTokenizer("llama tokenizer without tokenizer.ggml.scores")
+    if vocab.architecture in GEMMA_ARCHS:
+        vocab = _gemma_respelled(vocab)
     ids = {token: i for i, token in enumerate(vocab.tokens)}
     merges = spm_merges(vocab.tokens, vocab.scores, vocab.token_types)
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None

@@ -5,8 +5,8 @@
 
 Both give a `ModelTokenizer`: exact token ids (the same as the model's own
 tokenizer.json under `tokenizers`/`transformers`), the chat template, EOS ids and
-the context length. A ModelTokenizer pickles as its JSON, so the service loads a
-model once and ships it to its pool processes cheaply.
+the context length, and for the model catalog the architecture and weight format. A
+ModelTokenizer pickles as its JSON, so the service loads a model once and ships it to its pool processes cheaply.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class ModelTokenizer:
     eos_token_ids: list[int] = field(default_factory=list)
     context_length: int = DEFAULT_CONTEXT_LENGTH
     extra_special_tokens: dict[str, str] = field(default_factory=dict)  # unk_token, pad_token ... for templates
+    architecture: str = ""      # GGUF general.architecture or config.json model_type ("llama", "gemma3", ...)
+    weight_format: str = ""     # "GGUF Q4_K_M", "safetensors bfloat16", ...
     _literal: LiteralSpecials | None = field(default=None, init=False, repr=False, compare=False)
 
     def encode(self, text: str, add_special_tokens: bool = False, special_tokens_as_text: bool = False) -> list[int]:
@@ -136,6 +138,8 @@ def load_gguf(path: Path) -> ModelTokenizer:
         eos_token_ids=eos_ids,
         context_length=meta.context_length,
         extra_special_tokens=_gguf_named_tokens(fields, tokens),
+        architecture=meta.architecture,
+        weight_format=meta.weight_format,
     )
 
 
@@ -221,4 +225,11 @@ def load_hf_dir(directory: Path) -> ModelTokenizer:
         eos_token_ids=_hf_eos_ids(tokenizer, eos_token, generation, model_config),
         context_length=_hf_context_length(model_config, tok_config),
         extra_special_tokens=extra,
+        architecture=model_config.get("model_type", ""),
+        weight_format=_hf_weight_format(model_config),
     )
+
+
+def _hf_weight_format(model_config: dict[str, Any]) -> str:
+    dtype = model_config.get("dtype") or model_config.get("torch_dtype")  # transformers 5.x / 4.x
+    return f"safetensors {dtype}" if dtype else "safetensors"

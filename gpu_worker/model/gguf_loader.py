@@ -13,6 +13,7 @@ layout and sets rope_interleaved=True instead (same logits; tested).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -28,6 +29,8 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from gpu_worker.model import architectures
+from gpu_worker.model.architectures import Architecture
 from gpu_worker.model.config import ModelConfig, RopeScaling
 from gpu_worker.ops.weights import gguf_blocks, gguf_weight
 from gpu_worker.ops.weights.gguf_weight import FileTensor
@@ -36,10 +39,9 @@ from llmserve.gguf_metadata import read_metadata
 
 logger = structlog.get_logger(__name__)
 
-CACHE_FORMAT = "1"
-SUPPORTED_ARCHS = {"llama", "qwen2"}  # llama.cpp writes Llama 2/3, Mistral and SmolLM2 as "llama"
+CACHE_FORMAT = "2"  # 2: ModelConfig has the architectures' fields and llama.cpp's end-of-generation EOS set
 # architectures whose GGUF Q/K weights llama.cpp permuted for interleaved RoPE
-PERMUTED_ARCHS = {"llama"}
+PERMUTED_ARCHS = {a.name for a in architectures.ARCHITECTURES.values() if a.gguf_qk_permuted}
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -54,14 +56,17 @@ _LAYER_NAMES = {
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> HF name (None for tensors that are not model weights, e.g. rope_freqs)."""
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """GGUF tensor name -> HF name of architecture `arch` (ModelConfig.architecture; None for tensors that
+    are not model weights, e.g. rope_freqs). Gemma's `ffn_norm` is its pre_feedforward_layernorm, Phi-3's
+    `ffn_up` its fused gate_up_proj: the layer names depend on the architecture, so it has no default."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     match = _BLK.match(gguf_name)
-    if not match or match.group(2) not in _LAYER_NAMES:
+    names = _LAYER_NAMES | architectures.get(arch).gguf_layer_names
+    if not match or match.group(2) not in names:
         return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -82,12 +87,12 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> RopeScaling | None:
+def _rope_scaling(reader: GGUFReader, arch: str, source: object) -> RopeScaling | None:
     kind = _field(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
     if kind != "linear":
-        raise ValueError(f"unsupported GGUF rope scaling {kind!r}")
+        raise architectures.refusal(source, f"GGUF rope scaling {kind!r}")
     return RopeScaling(rope_type="linear", factor=float(_field(reader, f"{arch}.rope.scaling.factor", 1.0)))
 
 
@@ -103,26 +108,70 @@ def _tensor(reader: GGUFReader, name: str):
     return next((t for t in reader.tensors if t.name == name), None)
 
 
+def _refuse_unsupported(reader: GGUFReader, arch: str, head_dim: int, source: object) -> None:
+    """Mixture-of-experts, Phi-3's LongRoPE factors and partial RoPE are refused, in any architecture."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        raise architectures.refusal(source, f"mixture-of-experts ({experts} experts, architecture {arch!r})")
+    if _tensor(reader, "rope_factors_long.weight") is not None:
+        raise architectures.refusal(source, "LongRoPE (rope_factors_long)")
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise architectures.refusal(source, f"partial rotary embeddings ({rotary} of {head_dim} dims)")
+
+
+def _sliding_layers(reader: GGUFReader, arch: Architecture, num_layers: int) -> tuple[bool, ...]:
+    """Which layers are windowed: `{arch}.attention.sliding_window_pattern` where the file has it
+    (a period, or one flag per layer), else the architecture's fixed pattern, as llama.cpp does."""
+    pattern = _field(reader, f"{arch.gguf_name}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return tuple(bool(p) for p in pattern)
+    if pattern:
+        arch = dataclasses.replace(arch, sliding_window_pattern=int(pattern))
+    return architectures.sliding_layers(arch, num_layers)
+
+
+def _gemma_fields(reader: GGUFReader, arch: Architecture, hidden: int, heads: int, head_dim: int,
+                  layers: int) -> dict:
+    """Gemma's extras. Its GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim, except for
+    the 27B models (hidden / heads), which it knows by their layer count; likewise Gemma 3's local
+    RoPE base is 10000 unless the file says otherwise."""
+    if not arch.scale_embeddings:
+        return {}
+    big = (arch.name, layers) in (("gemma2", 46), ("gemma3", 62))
+    local = _field(reader, f"{arch.gguf_name}.rope.freq_base_swa", 10000.0)
+    return dict(
+        embedding_scale=hidden**0.5, query_pre_attn_scalar=float(hidden // heads if big else head_dim),
+        attn_logit_softcap=_field(reader, f"{arch.gguf_name}.attn_logit_softcapping"),
+        final_logit_softcap=_field(reader, f"{arch.gguf_name}.final_logit_softcapping"),
+        rope_local_theta=float(local) if arch.name == "gemma3" else None,
+    )
+
+
 def read_config(reader: GGUFReader, unpermute: bool = True) -> ModelConfig:
-    """GGUF metadata -> ModelConfig."""
+    """GGUF metadata -> ModelConfig; UnsupportedModel (naming the file) for what the worker cannot run."""
+    source = getattr(reader.data, "filename", "GGUF file")
     meta = read_metadata(lambda key: _field(reader, key))
+    arch_spec = architectures.for_gguf(meta.architecture, source)
     arch = meta.architecture
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ARCHS))})")
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    layers = int(_field(reader, f"{arch}.block_count"))
+    _refuse_unsupported(reader, arch, head_dim, source)
+    window = _field(reader, f"{arch}.attention.sliding_window")
     embed = _tensor(reader, "token_embd.weight")
     return ModelConfig(
         vocab_size=int(embed.shape[-1]),  # ggml shapes are innermost-first: [H, V]
         hidden_size=hidden,
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
+        rope_scaling=_rope_scaling(reader, arch, source),
         rope_freq_factors=_rope_freq_factors(reader),
         context_length=meta.context_length,
         tie_word_embeddings=_tensor(reader, "output.weight") is None,
@@ -131,6 +180,12 @@ def read_config(reader: GGUFReader, unpermute: bool = True) -> ModelConfig:
         eos_token_ids=meta.eos_token_ids,
         rope_interleaved=arch in PERMUTED_ARCHS and not unpermute,
         architecture=arch,
+        qk_norm=arch_spec.qk_norm,
+        sandwich_norms=arch_spec.sandwich_norms,
+        hidden_act=arch_spec.hidden_act,
+        sliding_window=int(window) if window else None,
+        sliding_layers=_sliding_layers(reader, arch_spec, layers) if window else (),
+        **_gemma_fields(reader, arch_spec, hidden, heads, head_dim, layers),
     )
 
 
@@ -174,7 +229,7 @@ def convert(path: Path, unpermute: bool = True) -> tuple[ModelConfig, dict[str, 
     reader = GGUFReader(str(path))
     check_types(path, reader)
     config = read_config(reader, unpermute)
-    named = [(hf_name(t.name), t) for t in reader.tensors]
+    named = [(hf_name(t.name, config.architecture), t) for t in reader.tensors]
     named = [(n, t) for n, t in named if n is not None]
     weights: dict[str, torch.Tensor] = {}
     step = max(1, len(named) // 10)
@@ -242,7 +297,7 @@ def _file_tensor(t, config: ModelConfig, unpermute: bool) -> FileTensor:
 def _file_formats(reader: GGUFReader, config: ModelConfig, unpermute: bool
                   ) -> Iterator[tuple[str, torch.Tensor | FileTensor]]:
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         if name is None:
             continue
         if len(t.shape) == 2 and name != "model.embed_tokens.weight":
@@ -259,10 +314,10 @@ def load_file_formats(path: Path, unpermute: bool = True
     formats, as FileTensors: no dequantized copy, no cache. Norms, biases and the embedding table (for
     the lookup) come as fp32 tensors. None where no GEMM weight of the file is quantized."""
     reader = GGUFReader(str(path))
-    if not any(t.tensor_type in gguf_blocks.QUANTIZED_TYPES and len(t.shape) == 2 and hf_name(t.name) is not None
-               for t in reader.tensors):
+    config = read_config(reader, unpermute)
+    if not any(t.tensor_type in gguf_blocks.QUANTIZED_TYPES and len(t.shape) == 2
+               and hf_name(t.name, config.architecture) is not None for t in reader.tensors):
         return None
     check_types(path, reader)
-    config = read_config(reader, unpermute)
     logger.info("loading gguf in its own weight formats", path=str(path))
     return config, _file_formats(reader, config, unpermute)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Dense decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a paged KV cache.
 
 One forward runs every sequence of a step at once (prefill chunks then decodes,
 see metadata.py). Every op but the GEMMs goes through the device's backend
@@ -6,11 +6,16 @@ see metadata.py). Every op but the GEMMs goes through the device's backend
 form the backend put the weight in (`Backend.prepare_weights`: prepacked, quantized or plain).
 Q/K/V and gate/up projections are fused into one GEMM each.
 
-Weights arrive with Hugging Face names (`load_weights`), whatever the file format.
+Weights arrive with Hugging Face names (`load_weights`), whatever the file format. What the other
+architectures do differently from Llama (q/k norms, Gemma's extra norms, GeGLU, windowed and
+soft-capped attention) is in layer_variants.py; their layers take these per-op layers, never the
+runner's one-call CPU step (runner/cpu_step_layers.py), which computes plain Llama layers only
+(ModelConfig.llama_layers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterable
 
@@ -18,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.model import layer_variants
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
@@ -42,10 +48,13 @@ def _replace(module: nn.Module, name: str, value: LinearWeight) -> None:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device, dtype) -> None:
+    def __init__(self, config: ModelConfig, index: int, device, dtype) -> None:
         super().__init__()
         c = config
         kw = dict(device=device, dtype=dtype)
+        self.index = index
+        for name, size in layer_variants.extra_norms(c).items():  # q/k norms [D], Gemma's output norms [H]
+            setattr(self, name, _param(size, **kw))
         self.input_norm = _param(c.hidden_size, **kw)  # [H]
         self.qkv_weight = _param(c.q_size + 2 * c.kv_size, c.hidden_size, **kw)  # [(Hq + 2Hk) * D, H]
         self.qkv_bias = _param(c.q_size + 2 * c.kv_size, **kw) if c.attention_bias else None
@@ -64,10 +73,16 @@ class LlamaDecoderLayer(nn.Module):
         q = q.view(-1, c.num_heads, c.head_dim)  # [T, Hq, D]
         k = k.view(-1, c.num_kv_heads, c.head_dim)  # [T, Hk, D]
         v = v.reshape(-1, c.num_kv_heads, c.head_dim)  # [T, Hk, D]
+        if c.qk_norm:
+            q = layer_variants.head_norm(ops, q, self.q_norm, c.rms_norm_eps)
+            k = layer_variants.head_norm(ops, k, self.k_norm, c.rms_norm_eps)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin, c.rope_interleaved)
         ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if layer_variants.takes_own_attention(c, self.index):
+            out = layer_variants.attention(c, self.index, q, k_cache, v_cache, meta)
+            return linear(out.view(-1, c.q_size), self.o_weight)  # [T, H]
         out = torch.empty_like(q)  # [T, Hq, D]
-        scale = c.head_dim**-0.5
+        scale = c.attention_scale
         num_prefill = meta.num_prefill_tokens
         if meta.num_prefills > 0:
             out[:num_prefill] = ops.paged_prefill_attention(
@@ -88,27 +103,16 @@ class LlamaDecoderLayer(nn.Module):
         else:
             h, residual = ops.fused_add_rms_norm(h, residual, self.input_norm, eps)
         h = self.attention(ops, positions, h, meta, k_cache, v_cache, cos_sin)
+        if self.config.sandwich_norms:
+            h = ops.rms_norm(h, self.attn_out_norm, eps)
         h, residual = ops.fused_add_rms_norm(h, residual, self.post_norm, eps)
         gate_up = linear(h, self.gate_up_weight)  # [T, 2I]
-        h = linear(ops.silu_and_mul(gate_up), self.down_weight)  # [T, H]
+        h = linear(layer_variants.activation(self.config, ops)(gate_up), self.down_weight)  # [T, H]
+        if self.config.sandwich_norms:
+            h = ops.rms_norm(h, self.mlp_out_norm, eps)
         return h, residual
 
 
-# HF suffix inside a layer -> (parameter name, which shard of a fused parameter or None)
-_LAYER_WEIGHTS = {
-    "input_layernorm.weight": ("input_norm", None),
-    "self_attn.q_proj.weight": ("qkv_weight", "q"),
-    "self_attn.k_proj.weight": ("qkv_weight", "k"),
-    "self_attn.v_proj.weight": ("qkv_weight", "v"),
-    "self_attn.q_proj.bias": ("qkv_bias", "q"),
-    "self_attn.k_proj.bias": ("qkv_bias", "k"),
-    "self_attn.v_proj.bias": ("qkv_bias", "v"),
-    "self_attn.o_proj.weight": ("o_weight", None),
-    "post_attention_layernorm.weight": ("post_norm", None),
-    "mlp.gate_proj.weight": ("gate_up_weight", "gate"),
-    "mlp.up_proj.weight": ("gate_up_weight", "up"),
-    "mlp.down_proj.weight": ("down_weight", None),
-}
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -131,7 +135,7 @@ class LlamaModel(nn.Module):
         self.config = config
         kw = dict(device=device, dtype=dtype)
         self.embed = _param(c.vocab_size, c.hidden_size, **kw)  # [V, H]
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, device, dtype) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, device, dtype) for i in range(c.num_layers))
         self.norm = _param(c.hidden_size, **kw)  # [H]
         if lm_head_dtype is None:
             lm_head_dtype = get_backend(device).logits_dtype(dtype)
@@ -146,6 +150,14 @@ class LlamaModel(nn.Module):
         # GEMM weights loaded in a GGUF file's own formats (gguf_loader.load_file_formats), by HF name, until
         # map_file_weights makes them the layers' weights; their float parameters stay untouched (unallocated)
         self.file_weights: dict[str, FileTensor] = {}
+        # Gemma 3's windowed layers rotate on their own base, unscaled: [context_length, D]
+        local = None if c.rope_local_theta is None else dataclasses.replace(
+            c, rope_theta=c.rope_local_theta, rope_scaling=None, rope_freq_factors=None)
+        local_table = None if local is None else cos_sin_table(local, c.context_length, device)
+        self.register_buffer("cos_sin_local", local_table, persistent=False)
+        self.layer_weights = layer_variants.layer_weights(c)
+        # Gemma's sqrt(hidden_size), rounded to the compute dtype as transformers does
+        self.embedding_scale = None if c.embedding_scale is None else float(torch.tensor(c.embedding_scale, dtype=dtype))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,8 +182,9 @@ class LlamaModel(nn.Module):
         return self.compute_logits(ops, h, residual, meta)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [T] int64 -> [T, H]."""
-        return F.embedding(input_ids, self.embed)
+        """input_ids: [T] int64 -> [T, H] (times Gemma's embedding scale)."""
+        h = F.embedding(input_ids, self.embed)
+        return h if self.embedding_scale is None else h * self.embedding_scale
 
     def run_layers(self, ops: Backend, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata,
                    kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +192,7 @@ class LlamaModel(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             h, residual = layer(
-                ops, positions, h, residual, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], self.cos_sin
+                ops, positions, h, residual, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], self._rope(i)
             )
         assert residual is not None, "a model has at least one layer"
         return h, residual
@@ -189,7 +202,15 @@ class LlamaModel(nn.Module):
         """h, residual: [T, H] of the last layer -> logits [num_seqs, V] float32 of the sampled rows."""
         idx = meta.logits_indices  # only the sampled rows need the final norm and the vocab GEMM
         h, _ = ops.fused_add_rms_norm(h[idx], residual[idx], self.norm, self.config.rms_norm_eps)  # [S, H]
-        return linear(h.to(self.lm_head_dtype), self.lm_head).float()  # [num_seqs, V]
+        logits = linear(h.to(self.lm_head_dtype), self.lm_head).float()  # [num_seqs, V]
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # Gemma 2
+
+    def _rope(self, layer: int) -> torch.Tensor:
+        """The cos/sin table of one layer: the local one for Gemma 3's windowed layers."""
+        if self.cos_sin_local is not None and self.config.layer_window(layer) is not None:
+            return self.cos_sin_local
+        return self.cos_sin
 
     # ---- weight forms (Backend.prepare_weights converts them; the model only swaps) --------------
 
@@ -214,7 +235,7 @@ class LlamaModel(nn.Module):
 
     def _file_parts(self, layer: int, param: str) -> list[FileTensor] | None:
         """The FileTensors of a layer's (fused) GEMM parameter in row order, or None."""
-        names = [f"model.layers.{layer}.{suffix}" for suffix, (attr, _) in _LAYER_WEIGHTS.items()
+        names = [f"model.layers.{layer}.{suffix}" for suffix, (attr, _) in self.layer_weights.items()
                  if attr == param and suffix.endswith(".weight")]
         parts = [self.file_weights.get(name) for name in names]
         return None if any(p is None for p in parts) else [p for p in parts if p is not None]
@@ -247,10 +268,10 @@ class LlamaModel(nn.Module):
         if name in top:
             return top[name]
         match = _LAYER_NAME.match(name)
-        if not match or match.group(2) not in _LAYER_WEIGHTS:
+        if not match or match.group(2) not in self.layer_weights:
             return None
         layer = self.layers[int(match.group(1))]
-        attr, shard = _LAYER_WEIGHTS[match.group(2)]
+        attr, shard = self.layer_weights[match.group(2)]
         param = getattr(layer, attr)
         return None if param is None else self._shard(param, shard)
 
@@ -259,9 +280,8 @@ class LlamaModel(nn.Module):
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not self.config.tie_word_embeddings:
             names.add("lm_head.weight")
-        bias = self.config.attention_bias
         for i in range(self.config.num_layers):
-            names |= {f"model.layers.{i}.{s}" for s in _LAYER_WEIGHTS if bias or not s.endswith(".bias")}
+            names |= {f"model.layers.{i}.{s}" for s in self.layer_weights}
         return names
 
     @torch.no_grad()

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import structlog
 import torch
+from gguf import GGUFReader
 
-from gpu_worker.model import gguf_loader, hf_loader
+from gpu_worker.model import architectures, gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.ops import get_backend
@@ -43,6 +44,20 @@ def _file_formats(path: Path, device: str, dtype: torch.dtype):
     logger.warning("gguf weights load dequantized: a quantized file keeps its formats on an fp32 CPU model "
                    "with the C kernels", path=str(path), dtype=str(dtype).removeprefix("torch."), kernels=kernels)
     return None
+
+
+def check_supported(spec: str | Path) -> ModelConfig:
+    """The config of a model spec from its metadata alone (no weights read, nothing converted).
+
+    Raises:
+        UnsupportedModel: the worker cannot run it; str() is the one line to exit with.
+    """
+    path = model_store.resolve(str(spec))
+    if hf_loader.is_hf_dir(path):
+        return hf_loader.load_config(path)
+    if gguf_loader.is_gguf(path):
+        return gguf_loader.read_config(GGUFReader(str(path)))
+    raise architectures.refusal(path, "a path that is neither a GGUF file nor a Hugging Face directory")
 
 
 def load_config(spec: str | Path) -> ModelConfig:

@@ -55,7 +55,8 @@ class StepLayers:
         """The model's layers for the C file, or None where it does not apply to this model."""
         layers = model.layers
         applies = (  # the kernel is built last: only where the weights are its own
-            model.dtype == torch.float32
+            model.config.llama_layers  # plain Llama layers: no q/k norms, windows, soft-caps, GeGLU (Gemma, Qwen3)
+            and model.dtype == torch.float32
             and all(layer.qkv_bias is None for layer in layers)
             and all(isinstance(getattr(layer, name), Q4_1Weight) for layer in layers for name in GEMMS)
             and step_layers.library() is not None

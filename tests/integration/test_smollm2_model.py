@@ -117,7 +117,7 @@ def test_gguf_and_hf_safetensors_give_the_same_logits(smollm2_path, tokenizer, t
     from_gguf = load_model(smollm2_path, "cpu", torch.float32)
     c = from_gguf.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
-    assert c.tie_word_embeddings and c.eos_token_ids == (2,)
+    assert c.tie_word_embeddings and c.eos_token_ids == (2, 0)
 
     config, weights = gguf_loader.convert(smollm2_path)  # HF layout (Q/K un-permuted)
     hf_dir = tmp_path / "smollm2-hf"

@@ -175,7 +175,7 @@ async def test_decode(stub):
 
 async def test_tokenizer_info_per_model(stub, local):
     default = await stub.GetTokenizerInfo(pb.TokenizerInfoRequest())
-    assert (default.model, list(default.eos_token_ids), default.context_length) == ("smollm2-135m", [2], 8192)
+    assert (default.model, list(default.eos_token_ids), default.context_length) == ("smollm2-135m", [2, 0], 8192)
     rebuilt = Tokenizer.from_str(default.tokenizer_json)
     assert rebuilt.encode("Grüße 123", add_special_tokens=False).ids == local.encode("Grüße 123")
     hf = await stub.GetTokenizerInfo(pb.TokenizerInfoRequest(model=HF_MODEL))

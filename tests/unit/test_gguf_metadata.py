@@ -24,3 +24,14 @@ def test_defaults_and_the_eos_set():
         ("qwen2", DEFAULT_CONTEXT_LENGTH, (2, 7), None)
     assert read_metadata({}.get).architecture == "llama"
     assert read_metadata({"llama.context_length": 1024, "tokenizer.ggml.bos_token_id": 1}.get).context_length == 1024
+
+
+def test_end_of_generation_tokens_join_the_eos_set_and_the_file_type_names_the_format():
+    """As llama.cpp: a Llama 3 Instruct file names <|end_of_text|> its EOS, but turns end in <|eot_id|>;
+    Gemma's in <end_of_turn>, whatever the keys say."""
+    tokens = ["<unk>", "<|end_of_text|>", "<|eot_id|>", "hello", "<end_of_turn>", "<|eom_id|>"]
+    fields = {"general.architecture": "llama", "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.tokens": tokens,
+              "tokenizer.ggml.eom_token_id": 5, "general.file_type": 15}
+    meta = read_metadata(fields.get)
+    assert (meta.eos_token_ids, meta.weight_format) == ((1, 5, 2, 4), "GGUF Q4_K_M")
+    assert read_metadata({}.get).weight_format == "GGUF"

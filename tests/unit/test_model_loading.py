@@ -354,13 +354,14 @@ def test_gguf_conversion_is_cached(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(first.parameters(), second.parameters()))
 
 
-def test_mistral_sliding_window_caps_context_and_eos_from_generation_config(tmp_path):
+def test_mistral_sliding_window_on_every_layer_and_eos_from_generation_config(tmp_path):
     cfg = TINY | {"model_type": "mistral", "sliding_window": 64, "head_dim": 8}
     weights = make_weights(cfg, tied=False, bias=False, seed=6)
     path = write_hf_dir(tmp_path / "mistral", cfg, weights)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     model = load_model(path, "cpu", torch.float32)
-    assert (model.config.context_length, model.config.eos_token_ids, model.config.architecture) == (64, (2, 7), "mistral")
+    assert (model.config.context_length, model.config.eos_token_ids, model.config.architecture) == (128, (2, 7), "mistral")
+    assert [model.config.layer_window(i) for i in range(2)] == [64, 64]  # the window, not a capped context
     check_batched_steps(model, weights, cfg, inv_freq(model.config))
 
 

@@ -247,7 +247,7 @@ def test_decode_skips_special_tokens(smollm2):
 
 
 def test_metadata_from_gguf(smollm2):
-    assert smollm2.eos_token_ids == [2]
+    assert smollm2.eos_token_ids == [2, 0]  # <|im_end|>, then <|endoftext|> (an end-of-generation text)
     assert smollm2.context_length == 8192
     assert (smollm2.bos_token, smollm2.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert smollm2.vocab_size == 49152
