@@ -92,7 +92,7 @@ def dequantized_weights(path: Path) -> dict[str, torch.Tensor]:
         w = dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
         if t.name.endswith("attn_q.weight") or t.name.endswith("attn_k.weight"):
             w = gguf_loader.unpermute_qk(w, HEADS if "attn_q" in t.name else KV_HEADS)
-        weights[gguf_loader.hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))
+        weights[gguf_loader.hf_name(t.name, "llama")] = torch.from_numpy(np.array(w, dtype=np.float32))
     return weights
 
 
