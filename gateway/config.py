@@ -40,6 +40,8 @@ class GatewaySettings(CommonSettings):
     http_port: int = setting(0, "OpenAI-compatible HTTP port (0 = off, -1 = a free one, reported in "
                                 "http_port_file)")
     http_port_file: str = setting("", "write the bound HTTP port to this file once listening")
+    max_http_body_bytes: int = setting(4 * 1024 * 1024, "largest OpenAI HTTP request body (413 beyond it; "
+                                                         "refused while it is read, never buffered whole)")
     max_tenant_streams: int = setting(256, "most Generate/Complete streams one tenant may have open on this "
                                            "gateway (re-attached ones included)")
 
@@ -60,6 +62,8 @@ class GatewaySettings(CommonSettings):
         require(-1 <= self.http_port < 65536, "http_port", "must be -1 (any), 0 (off) or a port")
         require(1 <= self.max_tenant_streams <= self.max_streams, "max_tenant_streams",
                 "must be in 1..max_streams")
+        require(self.max_http_body_bytes > self.max_prompt_bytes, "max_http_body_bytes",
+                "must exceed max_prompt_bytes so oversize prompts get a 400 naming the field, not a 413")
         require(self.max_message_bytes > self.max_prompt_bytes, "max_message_bytes",
                 "must exceed max_prompt_bytes so oversize prompts get INVALID_ARGUMENT, not a transport error")
 

@@ -88,11 +88,18 @@ class ModelCatalog:
         tokens spelled in the input are plain text, except in `text` when `allow_special_tokens`."""
         request = tokenizer_pb2.EncodeRequest(model=model_id, text=text, messages=messages,
                                               allow_special_tokens=allow_special_tokens)
+        caller_deadline = deadline
         deadline = min(deadline, time.monotonic() + self.timeout_s * 3) if deadline else \
             time.monotonic() + self.timeout_s * 3
-        async for attempt in retrying(deadline=deadline):
-            with attempt:
-                reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)))
+        try:
+            async for attempt in retrying(deadline=deadline):
+                with attempt:
+                    reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)))
+        except grpc.aio.AioRpcError as exc:
+            caller_left = caller_deadline is None or time.monotonic() < caller_deadline
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and caller_left:
+                raise Unavailable(f"tokenizer_svc did not answer within {self.timeout_s} s; retry") from exc
+            raise                 # the caller's own deadline passed, or a code that keeps its meaning
         return list(reply.token_ids)
 
     def list(self) -> list[pb.ModelInfo]:

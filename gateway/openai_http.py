@@ -13,25 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 
 import grpc
 import structlog
-import uvicorn
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import metrics
-from gateway.openai_wire import FINISH, Parsed, parse_chat, parse_completion
+from gateway.openai_wire import FINISH, BodyTooLarge, Parsed, parse_chat, parse_completion, parse_json, read_body
 from gateway.request_state import Call
-from llmserve.errors import InvalidArgument, ServiceError
+from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.log import bind_request
 from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
@@ -45,7 +45,8 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-              404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+              404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              503: "service_unavailable", 504: "timeout"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,11 @@ def http_error(exc: BaseException) -> HttpError:
     """OpenAI's error object for an exception the flow raised (unknown model: 404)."""
     code, message, trailing = status_for(exc)
     param = getattr(exc, "field", None)
-    status = 404 if isinstance(exc, InvalidArgument) and param == "model" else HTTP_STATUS.get(code, 500)
+    status = HTTP_STATUS.get(code, 500)
+    if isinstance(exc, BodyTooLarge):
+        status = 413
+    elif isinstance(exc, InvalidArgument) and param == "model":
+        status = 404
     headers = {}
     retry_ms = dict(trailing).get("retry-after-ms")
     if retry_ms is not None:
@@ -75,19 +80,22 @@ class OpenAIHttp:
 
     Args:
         service: the gateway's gRPC service (its tenants, flow and catalog are used as they are).
-        ready: whether the gateway serves (readiness follows the gRPC health state).
+        ready: whether the gateway serves (readiness follows the gRPC health state; new
+            completions are refused 503 while it drains).
+        max_body_bytes: the largest request body (413 beyond it).
     """
 
-    def __init__(self, service, ready: Callable[[], bool]) -> None:
+    def __init__(self, service, ready: Callable[[], bool], max_body_bytes: int) -> None:
         self.service = service
         self.ready = ready
+        self.max_body_bytes = max_body_bytes
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.readiness, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
 
     # -- routes ----------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -97,14 +105,17 @@ class OpenAIHttp:
         return await self._generate(request, "Completions", parse_completion, "text_completion")
 
     async def models(self, request: Request) -> Response:
+        tenant, call = "-", None
         try:
             call = self._call(request)
             data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llmserve",
                      "context_length": m.context_length}
                     for m in self.service.model_infos() if call.tenant.may_use(m.id)]
+            _count("Models", call, "OK")
             return JSONResponse({"object": "list", "data": data}, headers={"x-request-id": call.request_id})
-        except ServiceError as exc:
-            return _error_response(exc, "-")
+        except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error object
+            _count("Models", call, _failure_code(exc), tenant)
+            return _error_response(exc, call.request_id if call is not None else "-")
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -126,12 +137,16 @@ class OpenAIHttp:
         try:
             call = self._call(request)
             tenant, request_id = call.tenant.id, call.request_id
-            parsed = parse(await _json_body(request))
+            if not self.ready():
+                raise Unavailable("draining: this gateway takes no new requests; retry")
+            parsed = parse(parse_json(await read_body(request, self.max_body_bytes)))
             parsed.request.request_id = call.request_id
             if parsed.user:
                 logger.info("openai request", user=parsed.user, stream=parsed.stream)
             chunks = self.service.flow.generate(call, parsed.request)
-            first = await anext(chunks)      # admission errors become HTTP statuses, not a 200 stream
+            first = await anext(chunks, None)  # admission errors become HTTP statuses, not a 200 stream
+            if first is None:                    # a flow ends with a final chunk: never expected
+                raise Unavailable("the request ended without output; retry")
             shape = _Shape(kind, call.request_id, call.served_model, int(time.time()))
             headers = {"x-request-id": call.request_id, **dict(call.headers)}
             if parsed.stream:
@@ -140,8 +155,8 @@ class OpenAIHttp:
             reply = await _collect(chunks, first)
             _count(method, call, "OK")
             return JSONResponse(shape.whole(reply), headers=headers)
-        except (ServiceError, StopAsyncIteration) as exc:
-            _count(method, call, status_for(exc)[0].name, tenant)
+        except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error object, never a bare 500
+            _count(method, call, _failure_code(exc), tenant)
             served = {"x-served-model": call.served_model} if call is not None and call.served_model else {}
             return _error_response(exc, request_id or "-", served)
 
@@ -157,11 +172,24 @@ class OpenAIHttp:
                     yield json.dumps(shape.usage_chunk(chunk.usage))
                 chunk = await anext(chunks, None)
             yield "[DONE]"
-        except ServiceError as exc:            # after the 200: the error goes in the stream, as OpenAI does
-            code = status_for(exc)[0].name
+        except asyncio.CancelledError:         # the client went away: counted as gRPC counts it
+            code = "CANCELLED"
+            raise
+        except Exception as exc:  # noqa: BLE001 - after the 200 the error goes in the stream, as OpenAI does
+            code = _failure_code(exc)
             yield json.dumps(http_error(exc).body)
         finally:
             _count(method, call, code)
+
+
+def _failure_code(exc: BaseException) -> str:
+    """The status name a failure is counted under; one no caller can cause is logged with its stack."""
+    code = status_for(exc)[0]
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("unhandled error", error=repr(exc))
+    else:
+        logger.info("request failed", code=code.name, reason=status_for(exc)[1])
+    return code.name
 
 
 def _count(method: str, call: Call | None, code: str, tenant: str = "-") -> None:
@@ -237,51 +265,22 @@ def _usage(usage: pb.Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
 
 
-async def _json_body(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument("body", "not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", "must be a JSON object")
-    return body
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's error shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 400
+    phrase = HTTPStatus(status).phrase
+    body = {"error": {"message": f"{request.method} {request.url.path}: {phrase}", "type": "invalid_request_error",
+                      "param": None, "code": phrase.lower().replace(" ", "_")}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """The last resort for an error no handler caught: logged with its stack, still a JSON object."""
+    _failure_code(exc)
+    return _error_response(exc, "-")
 
 
 def _error_response(exc: BaseException, request_id: str, extra: dict[str, str] | None = None) -> Response:
-    if isinstance(exc, StopAsyncIteration):       # a flow that ended without a chunk: never expected
-        exc = ServiceError("no output")
     error = http_error(exc)
     return JSONResponse(error.body, status_code=error.status,
                         headers={"x-request-id": request_id, **error.headers, **(extra or {})})
-
-
-class HttpServer:
-    """uvicorn serving `app` on a socket bound here, in the running event loop (HTTPS with the
-    gRPC server's certificate when one is set).
-
-    uvicorn's own `serve()` would install its signal handlers over the gateway's; this runs its
-    startup / main loop / shutdown steps instead, and stops when told.
-    """
-
-    def __init__(self, app: Starlette, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> None:
-        self.socket = socket.create_server((host, max(0, port)), reuse_port=False)
-        self.port = self.socket.getsockname()[1]
-        tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **tls))
-        self._task = None
-
-    async def start(self) -> None:
-        config = self.server.config
-        config.load()
-        self.server.lifespan = config.lifespan_class(config)
-        await self.server.startup(sockets=[self.socket])
-        self._task = asyncio.create_task(self.server.main_loop(), name="http")
-        logger.info("openai http serving", port=self.port)
-
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        self.server.should_exit = True
-        await self._task
-        await self.server.shutdown(sockets=[self.socket])
-        self._task = None

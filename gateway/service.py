@@ -18,8 +18,9 @@ import structlog
 from gateway import metrics
 from gateway.config import GatewaySettings
 from gateway.flow import Flow, limits_of
+from gateway.http_server import HttpServer
 from gateway.models import ModelCatalog
-from gateway.openai_http import HttpServer, OpenAIHttp
+from gateway.openai_http import OpenAIHttp
 from gateway.quota import Quota
 from gateway.request_state import Call
 from gateway.routing import Router
@@ -106,7 +107,7 @@ class InferenceService:
 
     async def _start_http(self) -> None:
         """The OpenAI-compatible endpoint, bound before it is reported (as the gRPC port is)."""
-        self.http = HttpServer(OpenAIHttp(self, ready=lambda: self.serving).app, self.settings.host,
+        self.http = HttpServer(OpenAIHttp(self, lambda: self.serving, self.settings.max_http_body_bytes).app, self.settings.host,
                                self.settings.http_port, self.settings.tls_cert, self.settings.tls_key)
         await self.http.start()
         if self.settings.http_port_file:
