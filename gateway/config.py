@@ -42,6 +42,10 @@ class GatewaySettings(CommonSettings):
     http_port_file: str = setting("", "write the bound HTTP port to this file once listening")
     max_http_body_bytes: int = setting(4 * 1024 * 1024, "largest OpenAI HTTP request body (413 beyond it; "
                                                          "refused while it is read, never buffered whole)")
+    grammar_compile_timeout_s: float = setting(5.0, "longest a request waits for its response_format to compile "
+                                                    "(INVALID_ARGUMENT after it)")
+    grammar_threads: int = setting(1, "threads compiling response formats (shared by every tenant; off the "
+                                      "event loop)")
     max_tenant_streams: int = setting(256, "most Generate/Complete streams one tenant may have open on this "
                                            "gateway (re-attached ones included)")
 
@@ -60,6 +64,8 @@ class GatewaySettings(CommonSettings):
         require(self.events_ttl_s >= 10, "events_ttl_s", "must be >= 10")
         require(self.lease_ttl_s >= 1, "lease_ttl_s", "must be >= 1")
         require(-1 <= self.http_port < 65536, "http_port", "must be -1 (any), 0 (off) or a port")
+        require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", "must be > 0")
+        require(self.grammar_threads >= 1, "grammar_threads", "must be >= 1")
         require(1 <= self.max_tenant_streams <= self.max_streams, "max_tenant_streams",
                 "must be in 1..max_streams")
         require(self.max_http_body_bytes > self.max_prompt_bytes, "max_http_body_bytes",

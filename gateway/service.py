@@ -23,6 +23,7 @@ from gateway.models import ModelCatalog
 from gateway.openai_http import OpenAIHttp
 from gateway.quota import Quota
 from gateway.request_state import Call
+from gateway.response_format import FormatCompiler
 from gateway.routing import Router
 from gateway.tenants import TenantRegistry
 from gateway.validation import REQUEST_ID, check_input
@@ -78,7 +79,8 @@ class InferenceService:
         self.router = Router(self.models, self.redis, settings.route_refresh_ms / 1000, settings.worker_heartbeat_ttl_ms,
                              settings.queue_shards)
         self.quota = Quota(self.redis, settings.lease_ttl_s, settings.concurrency_retry_ms)
-        self.flow = Flow(settings, self.redis, self.blocking, self.catalog, self.quota, self.router)
+        self.formats = FormatCompiler(settings.grammar_compile_timeout_s, settings.grammar_threads)
+        self.flow = Flow(settings, self.redis, self.blocking, self.catalog, self.quota, self.router, self.formats)
         self.serving = False
         self.http: HttpServer | None = None
 
@@ -125,6 +127,7 @@ class InferenceService:
         await self.catalog.close()
         await self.redis.aclose()
         await self.blocking.aclose()
+        self.formats.close()
 
     # -- per call ------------------------------------------------------------------------------------------
     def _call(self, request, context: grpc.aio.ServicerContext) -> Call:
