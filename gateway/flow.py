@@ -31,15 +31,15 @@ import structlog
 from gateway import metrics
 from gateway.calls import REMAINING_REQUESTS, ratelimit_headers, rejection
 from gateway.config import GatewaySettings
-from gateway.models import ModelCatalog, ModelInfo
+from gateway.model_router import Router
 from gateway.output import OutputBuilder
 from gateway.quota import Limits, Quota
 from gateway.request_state import Call, Meta, StreamOutcome
 from gateway.response_format import FormatCompiler
-from gateway.routing import Router
 from gateway.shedding import Shedder
 from gateway.streams import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
+from gateway.tokenizer_client import ModelInfo, TokenizerClient
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
 from gateway.watch import QueueWaitExceeded, Watch
 from llmserve import keys, queue, redis_client
@@ -73,12 +73,12 @@ class Flow:
     """Runs requests; owns no per-request state (that lives in `Call` and locals)."""
 
     def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, blocking: aioredis.Redis,
-                 catalog: ModelCatalog, quota: Quota, router: Router, formats: FormatCompiler) -> None:
+                 tokenizers: TokenizerClient, quota: Quota, router: Router, formats: FormatCompiler) -> None:
         self.settings = settings
         self.formats = formats
         self.redis = redis
         self.blocking = blocking
-        self.catalog = catalog
+        self.tokenizers = tokenizers
         self.router = router
         self.quota = quota
         self.shedder = Shedder(redis, settings.queue_max_depth, settings.high_reserved_share, settings.queue_shards)
@@ -123,7 +123,7 @@ class Flow:
             if not call.tenant.may_use(name):
                 raise PermissionDenied(f"tenant {call.tenant.id} may not use model {name}")
         self._served(call, route.model)
-        return self.catalog.get(route.model)
+        return self.tokenizers.get(route.model)
 
     @staticmethod
     def _served(call: Call, model: str) -> None:
@@ -159,7 +159,7 @@ class Flow:
                        model: ModelInfo) -> tuple[list[int], queue_pb2.ResolvedSampling]:
         """The costly part, run only for an admitted request: compile its format, tokenize its prompt."""
         await self.formats.check(request.sampling.response_format, call.tenant.id)
-        prompt_ids = await self.catalog.encode(model.id, request.prompt, request.messages, call.deadline,
+        prompt_ids = await self.tokenizers.encode(model.id, request.prompt, request.messages, call.deadline,
                                                call.tenant.raw_special_tokens)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.context_length,
                                     call.tenant.max_new_tokens, self.limits)
@@ -225,7 +225,7 @@ class Flow:
 
     # -- streaming -----------------------------------------------------------------------------------------
     async def _stream(self, call: Call, meta: Meta) -> AsyncIterator[pb.GenerateResponse]:
-        model = self.catalog.get(meta.model)
+        model = self.tokenizers.get(meta.model)
         builder = OutputBuilder(call.request_id, model.tokenizer, meta.stops)
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
         lease = await self._attach(call)

@@ -18,7 +18,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
-from llmserve.server import CertificateFiles
+from llmserve.server import CertificateFiles, write_port_file
 
 logger = structlog.get_logger(__name__)
 
@@ -47,13 +47,16 @@ class ReloadingTLS:
 
 
 class HttpServer:
-    """uvicorn serving `app` on a socket bound here (port 0 / -1: the kernel picks one).
+    """uvicorn serving `app` on a socket bound here (port 0 / -1: the kernel picks one), its port
+    written to `port_file` once it listens.
 
     uvicorn's own `serve()` would install its signal handlers over the gateway's; this runs its
     startup / main loop / shutdown steps instead, and stops when told.
     """
 
-    def __init__(self, app: Starlette, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> None:
+    def __init__(self, app: Starlette, host: str, port: int, tls_cert: str = "", tls_key: str = "",
+                 port_file: str = "") -> None:
+        self.port_file = port_file
         self.socket = socket.create_server((host, max(0, port)), reuse_port=False)
         self.port = self.socket.getsockname()[1]
         self.tls = ReloadingTLS(tls_cert, tls_key) if tls_cert else None
@@ -67,6 +70,8 @@ class HttpServer:
         self.server.lifespan = config.lifespan_class(config)
         await self.server.startup(sockets=[self.socket])
         self._task = asyncio.create_task(self.server.main_loop(), name="http")
+        if self.port_file:      # reported once listening, as the gRPC port is
+            write_port_file(self.port_file, self.port)
         logger.info("openai http serving", port=self.port, tls=self.tls is not None)
 
     async def stop(self) -> None:

@@ -28,8 +28,8 @@ class ModelInfo:
     context_length: int
 
 
-class ModelCatalog:
-    """Model id → ModelInfo, plus the tokenizer_svc client."""
+class TokenizerClient:
+    """Model id → ModelInfo (fetched from tokenizer_svc at start-up), and Encode calls to it."""
 
     def __init__(self, ids: list[str], tokenizer_target: str, timeout_s: float = 5.0) -> None:
         self.ids = list(ids)
@@ -74,7 +74,7 @@ class ModelCatalog:
             raise
 
     def get(self, model_id: str) -> ModelInfo:
-        """The concrete model `model_id` (gateway.routing resolves aliases); NOT_FOUND for one not served."""
+        """The concrete model `model_id` (gateway.model_router resolves aliases); NOT_FOUND for one not served."""
         if model_id not in self.ids:
             raise NotFound(f"unknown model {model_id!r}; ListModels lists the served ones")
         info = self.models.get(model_id)

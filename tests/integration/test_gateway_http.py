@@ -19,14 +19,15 @@ from prometheus_client import REGISTRY
 from test_gateway_service import TENANTS
 from test_server_transport import make_cert
 
+from gateway.__main__ import build
 from gateway.config import GatewaySettings
-from gateway.service import InferenceService
 from llmserve import redis_client
 from llmserve.server import start_server
 from llmserve.valkey import ValkeyServer
 from tokenizer_svc.loader import load_tokenizer
 
 BODY_LIMIT = 512 * 1024
+HTTP_TIMEOUT_S = 3.0
 AUTH = {"authorization": "Bearer acme-key"}
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -53,8 +54,9 @@ async def env(smollm2_path, tmp_path_factory):
     e.settings = GatewaySettings(tenants=str(tenants), tokenizer_target=tok_target, redis_url=e.valkey.url,
                                  models="smollm2-135m", http_port=-1, max_prompt_bytes=1000,
                                  max_http_body_bytes=BODY_LIMIT, tokenizer_timeout_s=1.0, tokenizer_wait_s=30,
+                                 http_request_timeout_s=HTTP_TIMEOUT_S,
                                  tls_cert=str(e.live_cert), tls_key=str(e.live_key))
-    e.service = InferenceService(e.settings)
+    e.service = build(e.settings)
     e.handle = await start_server(e.service, e.settings, e.settings.max_message_bytes)
     await e.service.start()
     await e.handle.set_serving(True)
@@ -155,6 +157,21 @@ async def test_unknown_routes_and_methods_are_json_errors(env):
     assert_openai_error(await env.http.delete("/v1/models"), 405)
 
 
+async def test_http_opens_its_calls_as_grpc_does(env):
+    """The same per-call opening as gRPC: x-model-version is checked and pins, the rate-limit
+    headers come on every success, and a request has a deadline (504 once it passes)."""
+    body = {"messages": HI, "max_tokens": 2}
+    assert_openai_error(await env.http.post("/v1/chat/completions", json=body, headers={"x-model-version": "v" * 200}),
+                        400, "x-model-version")
+    assert_openai_error(await env.http.post("/v1/chat/completions", json=body, headers={"x-model-version": "v9"}), 404)
+    models = await env.http.get("/v1/models")
+    assert int(models.headers["x-ratelimit-remaining-requests"]) > 0 and "x-ratelimit-remaining-tokens" in models.headers
+    before = failures("DEADLINE_EXCEEDED")
+    never_dispatched = await env.http.post("/v1/chat/completions", json=body, headers={"x-request-id": "idle-http-1"})
+    assert assert_openai_error(never_dispatched, 504)["type"] == "timeout"
+    assert failures("DEADLINE_EXCEEDED") == before + 1
+
+
 async def test_a_rotated_certificate_is_served_at_the_next_handshake(env):
     async with client(env, env.old_cert) as old:
         assert (await old.get("/v1/models")).status_code == 200
@@ -176,7 +193,7 @@ async def test_a_draining_gateway_answers_503(env):
         reply = await env.http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
         assert assert_openai_error(reply, 503)["type"] == "service_unavailable"
     finally:
-        env.service.serving = True
+        env.service.gateway.serving = True
     reply = await env.http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
     assert reply.status_code == 200, reply.text
 

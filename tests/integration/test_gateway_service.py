@@ -12,9 +12,9 @@ import pytest
 from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
 from prometheus_client import REGISTRY
 
+from gateway.__main__ import build
 from gateway.config import GatewaySettings
 from gateway.quota import tenant_keys
-from gateway.service import InferenceService
 from gateway.tenants import hash_key
 from gateway.validation import RequestLimits
 from llmserve import keys, redis_client
@@ -64,7 +64,7 @@ async def env(redis_url, smollm2_path, tmp_path_factory):
     e.settings = GatewaySettings(tenants=str(tenants), tokenizer_target=tok_target, redis_url=redis_url,
                                  models=MODEL, detach_grace_s=0.5, cancel_grace_s=1.0, max_queue_wait_s=2.0,
                                  queue_max_depth=SHED_DEPTH, lease_ttl_s=10, tokenizer_wait_s=30)
-    e.service = InferenceService(e.settings)
+    e.service = build(e.settings)
     e.handle = await start_server(e.service, e.settings, e.settings.max_message_bytes)
     await e.service.start()
     await e.handle.set_serving(True)
@@ -335,7 +335,7 @@ async def test_list_models_and_tokenize(env):
 
 
 async def test_sighup_reload_keeps_streams(env, tmp_path):
-    path = env.service.tenants.path
+    path = env.service.gateway.tenants.path
     original = path.read_text()
     call = env.stub.Generate(req("slow-sighup", max_new_tokens=20), metadata=ACME, timeout=60)
     await call.read()
@@ -346,13 +346,13 @@ async def test_sighup_reload_keeps_streams(env, tmp_path):
         import os
         import signal
         os.kill(os.getpid(), signal.SIGHUP)
-        assert await eventually(lambda: _async_true("late" in env.service.tenants.tenant_ids()))
+        assert await eventually(lambda: _async_true("late" in env.service.gateway.tenants.tenant_ids()))
         rest = await read_rest(call)
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 20
         await env.stub.ListModels(pb.ListModelsRequest(), metadata=(("authorization", "Bearer late-key"),))
     finally:
         path.write_text(original)
-        env.service.tenants.reload()
+        env.service.gateway.tenants.reload()
 
 
 async def test_dispatched_request_outlives_max_queue_wait(env):
@@ -432,7 +432,7 @@ async def test_resume_after_a_disconnect_carries_the_requests_lease_on(env):
 
 async def test_one_tenant_cannot_take_every_stream_of_a_gateway(env):
     settings = dataclasses.replace(env.settings, max_tenant_streams=2)
-    service = InferenceService(settings)
+    service = build(settings)
     handle = await start_server(service, settings, settings.max_message_bytes)
     await service.start()
     await handle.set_serving(True)
@@ -451,7 +451,7 @@ async def test_one_tenant_cannot_take_every_stream_of_a_gateway(env):
         # another tenant still streams through this gateway
         assert (await stub.Complete(req(), metadata=OTHER, timeout=30)).text == ANSWER
         held.pop().cancel()
-        assert await eventually(lambda: _async_true(service.flow.streams.open["acme"] == 1))
+        assert await eventually(lambda: _async_true(service.gateway.flow.streams.open["acme"] == 1))
         assert (await stub.Complete(req(), metadata=ACME, timeout=30)).text == ANSWER
     finally:
         for call in held:
@@ -523,10 +523,10 @@ async def test_a_rate_limited_tenants_schema_is_refused_for_rate_without_compili
     for _ in range(2):                 # burst 1 at 0.1/s: at most one of these is admitted
         with contextlib.suppress(grpc.aio.AioRpcError):
             await env.stub.Complete(req(), metadata=tiny, timeout=30)
-    misses = env.service.formats.cache.misses
+    misses = env.service.gateway.formats.cache.misses
     err = await status_of(env.stub.Complete(with_format(big_schema("tiny")), metadata=tiny, timeout=30))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests_per_second" in err.details()
-    assert compiles("tiny") == 0 and env.service.formats.cache.misses == misses
+    assert compiles("tiny") == 0 and env.service.gateway.formats.cache.misses == misses
 
 
 async def test_a_failed_compile_is_charged_to_the_tenant(env):
