@@ -1,8 +1,9 @@
 """The gateway: the public `llmserve.v1.Inference` service (`python -m gateway`).
 
-Per request: auth (API key → tenant) → model allowed → validation → tokenize
-(tokenizer_svc) → shed check (queue depth) → quota admit (one Lua round trip)
-→ XADD the WorkItem → stream the request's token events back.
+Per request: auth (API key → tenant) → model allowed → validation (cheap) → shed
+check (queue depth) → quota admit (rate + concurrency) → response_format compile and
+tokenize (tokenizer_svc) → token reservation → XADD the WorkItem → stream the
+request's token events back.
 
 Choices an operator or client author should know:
 
@@ -18,9 +19,12 @@ Choices an operator or client author should know:
 - Max queue wait and a full queue are UNAVAILABLE ("overloaded"), retryable.
 - Unset seed: a random one (sampled output is reproducible only with a seed).
 
-Modules: config (settings), tenants (file, auth), validation, wire (naming the
-field of unparsable bytes), quota (Lua), shedding, models (tokenizer_svc
-client), flow (one request end to end), watch (deadline, queue wait, lease
-renewal, timings), output (events → chunks), detokenizer, stops, metrics,
-service (the gRPC handlers).
+Modules: config (settings), core (the `Gateway` both fronts share: built by __main__),
+grpc_front (the Inference service), openai_http + openai_wire + http_server (the OpenAI
+endpoint), calls (opening, counting and answering one call, for both fronts), tenants (file,
+auth), validation, response_format (format size check and off-loop compile), wire (naming the
+field of unparsable bytes), quota (Lua), shedding, tokenizer_client (tokenizer_svc client and
+model infos), model_router (alias → NAME@VERSION), flow (one request end to end), watch
+(deadline, queue wait, lease renewal, timings), streams (per-tenant stream slots, viewer
+leases), output (events → chunks), detokenizer, stops, request_state, metrics.
 """

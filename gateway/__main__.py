@@ -1,4 +1,4 @@
-"""`python -m gateway`: the public Inference service."""
+"""`python -m gateway`: the public Inference service, over gRPC and (with --http-port) OpenAI HTTP."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import asyncio
 import sys
 
 from gateway.config import GatewaySettings
-from gateway.service import InferenceService
+from gateway.core import Gateway
+from gateway.grpc_front import InferenceService
+from gateway.http_server import HttpServer
+from gateway.openai_http import OpenAIHttp
 from llmserve.log import configure_logging
 from llmserve.server import serve
 
@@ -18,10 +21,20 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(_run(settings))
 
 
+def build(settings: GatewaySettings) -> InferenceService:
+    """One `Gateway`, and the fronts over it: gRPC, and the OpenAI HTTP endpoint when it is on."""
+    gateway = Gateway(settings)
+    http = None
+    if settings.http_port:
+        app = OpenAIHttp(gateway, settings.max_http_body_bytes, settings.http_request_timeout_s).app
+        http = HttpServer(app, settings.host, settings.http_port, settings.tls_cert, settings.tls_key,
+                          settings.http_port_file)
+    return InferenceService(gateway, http)
+
+
 async def _run(settings: GatewaySettings) -> int:
     # Built inside the loop: grpc.aio channels bind to the loop that exists when they are made.
-    service = InferenceService(settings)
-    return await serve(service, settings, "gateway", max_message_bytes=settings.max_message_bytes)
+    return await serve(build(settings), settings, "gateway", max_message_bytes=settings.max_message_bytes)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,14 @@ class GatewaySettings(CommonSettings):
     http_port: int = setting(0, "OpenAI-compatible HTTP port (0 = off, -1 = a free one, reported in "
                                 "http_port_file)")
     http_port_file: str = setting("", "write the bound HTTP port to this file once listening")
+    http_request_timeout_s: float = setting(600.0, "deadline of an OpenAI HTTP request (HTTP carries none of its "
+                                                   "own; gRPC callers set theirs): 504 after it")
+    max_http_body_bytes: int = setting(4 * 1024 * 1024, "largest OpenAI HTTP request body (413 beyond it; "
+                                                         "refused while it is read, never buffered whole)")
+    grammar_compile_timeout_s: float = setting(5.0, "longest a request waits for its response_format to compile "
+                                                    "(INVALID_ARGUMENT after it)")
+    grammar_threads: int = setting(1, "threads compiling response formats (shared by every tenant; off the "
+                                      "event loop)")
     max_tenant_streams: int = setting(256, "most Generate/Complete streams one tenant may have open on this "
                                            "gateway (re-attached ones included)")
 
@@ -58,8 +66,13 @@ class GatewaySettings(CommonSettings):
         require(self.events_ttl_s >= 10, "events_ttl_s", "must be >= 10")
         require(self.lease_ttl_s >= 1, "lease_ttl_s", "must be >= 1")
         require(-1 <= self.http_port < 65536, "http_port", "must be -1 (any), 0 (off) or a port")
+        require(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s", "must be > 0")
+        require(self.grammar_threads >= 1, "grammar_threads", "must be >= 1")
         require(1 <= self.max_tenant_streams <= self.max_streams, "max_tenant_streams",
                 "must be in 1..max_streams")
+        require(self.http_request_timeout_s > 0, "http_request_timeout_s", "must be > 0")
+        require(self.max_http_body_bytes > self.max_prompt_bytes, "max_http_body_bytes",
+                "must exceed max_prompt_bytes so oversize prompts get a 400 naming the field, not a 413")
         require(self.max_message_bytes > self.max_prompt_bytes, "max_message_bytes",
                 "must exceed max_prompt_bytes so oversize prompts get INVALID_ARGUMENT, not a transport error")
 

@@ -1,9 +1,11 @@
 """One Generate/Complete request, from admission to the last chunk.
 
     every stream: a slot among this gateway's streams of the tenant (max_tenant_streams)
-    new request:  model check → validate → tokenize → resolve sampling → shed check
-                  → quota admit (one Lua call) → claim request meta → XADD WorkItem
-                  (to a queue cell with live workers, llmserve/queue_cells.py)
+    new request:  model check → validate (cheap: shapes, ranges, sizes) → shed check
+                  → quota admit (rate + lease, one Lua call) → compile response_format (off the
+                  loop) → tokenize → resolve sampling → reserve tokens (one Lua call)
+                  → claim request meta → XADD WorkItem (to a queue cell with live workers,
+                  llmserve/queue_cells.py); a failure after the admit gives the lease back
     both:         XREAD BLOCK the events stream → OutputBuilder → chunks
     resume:       request meta of the same tenant exists → attach from 0 / x-resume-from;
                   the only viewer of a request that holds its lease carries that lease on,
@@ -27,27 +29,22 @@ import redis.asyncio as aioredis
 import structlog
 
 from gateway import metrics
+from gateway.calls import REMAINING_REQUESTS, ratelimit_headers, rejection
 from gateway.config import GatewaySettings
-from gateway.models import ModelCatalog, ModelInfo
+from gateway.model_router import Router
 from gateway.output import OutputBuilder
 from gateway.quota import Limits, Quota
 from gateway.request_state import Call, Meta, StreamOutcome
-from gateway.routing import Router
+from gateway.response_format import FormatCompiler
 from gateway.shedding import Shedder
 from gateway.streams import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
+from gateway.tokenizer_client import ModelInfo, TokenizerClient
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
 from gateway.watch import QueueWaitExceeded, Watch
 from llmserve import keys, queue, redis_client
 from llmserve.clock import now_ms
-from llmserve.errors import (
-    DeadlineExceeded,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
-    ResourceExhausted,
-    Unavailable,
-)
+from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from llmserve.log import bind_model
 from llmserve.queue_cells import CellChooser
 from llmserve.v1 import inference_pb2 as pb
@@ -76,11 +73,12 @@ class Flow:
     """Runs requests; owns no per-request state (that lives in `Call` and locals)."""
 
     def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, blocking: aioredis.Redis,
-                 catalog: ModelCatalog, quota: Quota, router: Router) -> None:
+                 tokenizers: TokenizerClient, quota: Quota, router: Router, formats: FormatCompiler) -> None:
         self.settings = settings
+        self.formats = formats
         self.redis = redis
         self.blocking = blocking
-        self.catalog = catalog
+        self.tokenizers = tokenizers
         self.router = router
         self.quota = quota
         self.shedder = Shedder(redis, settings.queue_max_depth, settings.high_reserved_share, settings.queue_shards)
@@ -103,9 +101,7 @@ class Flow:
             elif meta.error:  # a resume of a request that failed before it started fails the same way
                 raise Unavailable(meta.error)
             else:
-                rem_req, rem_tok = await self.quota.peek(limits_of(call.tenant))
-                call.headers = [("x-ratelimit-remaining-requests", str(rem_req)),
-                                ("x-ratelimit-remaining-tokens", str(rem_tok))]
+                call.headers = ratelimit_headers(*await self.quota.peek(limits_of(call.tenant)))
             if meta is None:  # claimed by a concurrent submit that has not finished (or failed): retry
                 raise Unavailable(f"request {call.request_id} is being submitted; retry to attach")
             self._served(call, meta.model)  # a resume stays on the version it started on
@@ -127,7 +123,7 @@ class Flow:
             if not call.tenant.may_use(name):
                 raise PermissionDenied(f"tenant {call.tenant.id} may not use model {name}")
         self._served(call, route.model)
-        return self.catalog.get(route.model)
+        return self.tokenizers.get(route.model)
 
     @staticmethod
     def _served(call: Call, model: str) -> None:
@@ -140,7 +136,30 @@ class Flow:
         arrival = now_ms()
         model = self.model_for(call, request)
         validate_request(request, self.limits)
-        prompt_ids = await self.catalog.encode(model.id, request.prompt, request.messages, call.deadline,
+        priority = request.priority or call.tenant.priority
+        await self.shedder.check(model.id, priority, call.tenant.id)
+        await self._admit(call)
+        try:
+            prompt_ids, sampling = await self._prepare(call, request, model)
+            cost = len(prompt_ids) + sampling.max_new_tokens
+            await self._reserve(call, cost)
+            meta = Meta(call.tenant.id, model.id, len(prompt_ids), cost, list(request.sampling.stop), arrival, 0)
+            claimed = await self._claim(call, meta)
+        except BaseException:
+            self._spawn(self.quota.release(limits_of(call.tenant), call.request_id, 0))
+            raise
+        if not claimed:
+            await self.quota.release(limits_of(call.tenant), call.request_id, 0)
+            return None
+        item = self._work_item(call, meta, prompt_ids, sampling, priority)
+        await self._enqueue(call, meta, item)
+        return meta
+
+    async def _prepare(self, call: Call, request: pb.GenerateRequest,
+                       model: ModelInfo) -> tuple[list[int], queue_pb2.ResolvedSampling]:
+        """The costly part, run only for an admitted request: compile its format, tokenize its prompt."""
+        await self.formats.check(request.sampling.response_format, call.tenant.id)
+        prompt_ids = await self.tokenizers.encode(model.id, request.prompt, request.messages, call.deadline,
                                                call.tenant.raw_special_tokens)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.context_length,
                                     call.tenant.max_new_tokens, self.limits)
@@ -150,29 +169,27 @@ class Flow:
         if cost > call.tenant.tokens_per_minute:
             raise InvalidArgument("sampling.max_new_tokens", f"prompt + max_new_tokens = {cost} exceeds the "
                                                              f"tenant's tokens_per_minute")
-        priority = request.priority or call.tenant.priority
-        await self.shedder.check(model.id, priority, call.tenant.id)
-        await self._admit(call, cost)
-        meta = Meta(call.tenant.id, model.id, len(prompt_ids), cost, list(request.sampling.stop), arrival, 0)
-        if not await self._claim(call, meta):
-            await self.quota.release(limits_of(call.tenant), call.request_id, 0)
-            return None
-        item = self._work_item(call, meta, prompt_ids, sampling, priority)
-        await self._enqueue(call, meta, item)
-        return meta
+        return prompt_ids, sampling
 
-    async def _admit(self, call: Call, cost: int) -> None:
+    async def _admit(self, call: Call) -> None:
+        """Rate and concurrency, before anything costly (the tokens follow once counted)."""
         started = time.perf_counter()
-        decision = await self.quota.admit(limits_of(call.tenant), call.request_id, cost)
+        decision = await self.quota.admit(limits_of(call.tenant), call.request_id, 0)
         metrics.ADMISSION.observe(time.perf_counter() - started)
         if not decision.admitted:
             if decision.limit == "duplicate":
                 raise Unavailable(f"request {call.request_id} is being admitted; retry to attach")
-            metrics.REJECTIONS.labels(call.tenant.id, decision.limit).inc()
-            raise ResourceExhausted(decision.limit, decision.retry_after_ms,
-                                    f"quota exceeded: {decision.limit}; retry after {decision.retry_after_ms} ms")
-        call.headers = [("x-ratelimit-remaining-requests", str(decision.remaining_requests)),
-                        ("x-ratelimit-remaining-tokens", str(decision.remaining_tokens))]
+            raise rejection(call.tenant.id, decision)
+        call.headers = ratelimit_headers(decision.remaining_requests, decision.remaining_tokens)
+
+    async def _reserve(self, call: Call, cost: int) -> None:
+        decision = await self.quota.reserve(limits_of(call.tenant), call.request_id, cost)
+        if not decision.admitted:
+            if decision.limit == "lease_expired":
+                raise Unavailable(f"request {call.request_id} was admitted too long ago; retry")
+            raise rejection(call.tenant.id, decision)
+        requests = dict(call.headers).get(REMAINING_REQUESTS, "0")
+        call.headers = ratelimit_headers(int(requests), decision.remaining_tokens)
 
     async def _claim(self, call: Call, meta: Meta) -> bool:
         """Make this gateway the request's creator; False when the same request_id was claimed first."""
@@ -209,7 +226,7 @@ class Flow:
 
     # -- streaming -----------------------------------------------------------------------------------------
     async def _stream(self, call: Call, meta: Meta) -> AsyncIterator[pb.GenerateResponse]:
-        model = self.catalog.get(meta.model)
+        model = self.tokenizers.get(meta.model)
         builder = OutputBuilder(call.request_id, model.tokenizer, meta.stops)
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
         lease = await self._attach(call)

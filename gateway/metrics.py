@@ -22,3 +22,8 @@ QUEUE = Histogram("llmserve_gateway_queue_seconds", "enqueue to worker admission
 ADMISSION = Histogram("llmserve_gateway_admission_seconds", "quota check round trip",
                       buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1))
 IN_FLIGHT = Gauge("llmserve_gateway_streams_in_flight", "requests being streamed by this gateway")
+GRAMMAR_COMPILES = Counter("llmserve_gateway_grammar_compiles_total",
+                           "response_format compiles at admission by tenant and result (ok, invalid, timeout)",
+                           ["tenant", "result"])
+GRAMMAR_COMPILES_IN_FLIGHT = Gauge("llmserve_gateway_grammar_compiles_in_flight",
+                                   "response_format compiles running or queued in the compile threads")

@@ -2,37 +2,39 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health   GET /ready
 
-A handler only translates: JSON body ─▶ `GenerateRequest` ─▶ the same `Flow.generate` as the
-gRPC Generate/Complete (auth, quotas, validation, shedding, tokenization, queueing, streaming:
-one admission path) ─▶ OpenAI's response or SSE chunk shapes. Errors become OpenAI's error
-object with the HTTP status of their gRPC code; a client that disconnects mid-stream cancels
-the request as a gRPC cancellation does.
+A thin front over the `Gateway` (gateway/core.py), opening each call as the gRPC front does
+(gateway/calls.py: auth, deadline, x-model-version, metrics, rate-limit headers), then only
+translating: JSON body ─▶ `GenerateRequest` ─▶ the same `Gateway.generate` as the gRPC
+Generate/Complete (quotas, validation, shedding, tokenization, queueing, streaming: one
+admission path) ─▶ OpenAI's response or SSE chunk shapes. Every failure becomes OpenAI's error
+object with the HTTP status of its gRPC code (a body over the limit: 413), and is counted; a
+client that disconnects mid-stream cancels the request as a gRPC cancellation does. HTTP has
+no deadline of its own: each request gets --http-request-timeout-s (504 after it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from http import HTTPStatus
 
 import grpc
 import structlog
-import uvicorn
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import metrics
-from gateway.openai_wire import FINISH, Parsed, parse_chat, parse_completion
+from gateway.calls import code_of, count, header_id, open_call
+from gateway.core import Gateway
+from gateway.openai_wire import FINISH, BodyTooLarge, Parsed, parse_chat, parse_completion, parse_json, read_body
 from gateway.request_state import Call
-from llmserve.errors import InvalidArgument, ServiceError
-from llmserve.log import bind_request
+from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
 
@@ -45,7 +47,8 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.CANCELLED: 499,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-              404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+              404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+              503: "service_unavailable", 504: "timeout"}
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,11 @@ def http_error(exc: BaseException) -> HttpError:
     """OpenAI's error object for an exception the flow raised (unknown model: 404)."""
     code, message, trailing = status_for(exc)
     param = getattr(exc, "field", None)
-    status = 404 if isinstance(exc, InvalidArgument) and param == "model" else HTTP_STATUS.get(code, 500)
+    status = HTTP_STATUS.get(code, 500)
+    if isinstance(exc, BodyTooLarge):
+        status = 413
+    elif isinstance(exc, InvalidArgument) and param == "model":
+        status = 404
     headers = {}
     retry_ms = dict(trailing).get("retry-after-ms")
     if retry_ms is not None:
@@ -71,23 +78,26 @@ def http_error(exc: BaseException) -> HttpError:
 
 
 class OpenAIHttp:
-    """The HTTP app over an `InferenceService`.
+    """The HTTP app over a `Gateway`.
 
     Args:
-        service: the gateway's gRPC service (its tenants, flow and catalog are used as they are).
-        ready: whether the gateway serves (readiness follows the gRPC health state).
+        gateway: the core both fronts share (readiness follows its serving state; new
+            completions are refused 503 while it drains).
+        max_body_bytes: the largest request body (413 beyond it).
+        timeout_s: each request's deadline.
     """
 
-    def __init__(self, service, ready: Callable[[], bool]) -> None:
-        self.service = service
-        self.ready = ready
+    def __init__(self, gateway: Gateway, max_body_bytes: int, timeout_s: float) -> None:
+        self.gateway = gateway
+        self.max_body_bytes = max_body_bytes
+        self.timeout_s = timeout_s
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.readiness, methods=["GET"]),
-        ])
+        ], exception_handlers={HTTPException: _http_exception, Exception: _unexpected})
 
     # -- routes ----------------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -97,53 +107,55 @@ class OpenAIHttp:
         return await self._generate(request, "Completions", parse_completion, "text_completion")
 
     async def models(self, request: Request) -> Response:
+        call = None
         try:
             call = self._call(request)
             data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llmserve",
-                     "context_length": m.context_length}
-                    for m in self.service.model_infos() if call.tenant.may_use(m.id)]
-            return JSONResponse({"object": "list", "data": data}, headers={"x-request-id": call.request_id})
-        except ServiceError as exc:
-            return _error_response(exc, "-")
+                     "context_length": m.context_length} for m in self.gateway.models_for(call)]
+            headers = {"x-request-id": call.request_id, **dict(await self.gateway.remaining(call))}
+            count("Models", call, "OK")
+            return JSONResponse({"object": "list", "data": data}, headers=headers)
+        except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error object
+            count("Models", call, _failure_code(exc))
+            return _error_response(exc, call.request_id if call is not None else "-")
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def readiness(self, request: Request) -> Response:
-        ready = self.ready()
+        ready = self.gateway.serving
         return JSONResponse({"status": "serving" if ready else "not serving"}, status_code=200 if ready else 503)
 
     # -- one completion ----------------------------------------------------------------------------------
-    def _call(self, request: Request, request_id: str = "") -> Call:
-        request_id = request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-        bind_request(request_id, "")
-        tenant = self.service.tenants.authenticate({"authorization": request.headers.get("authorization", "")})
-        bind_request(request_id, tenant.id)
-        return Call(tenant, request_id, None, model_version=request.headers.get("x-model-version", "").strip())
+    def _call(self, request: Request) -> Call:
+        return open_call(self.gateway.tenants, request.headers, request.headers.get("x-request-id", ""), self.timeout_s)
 
     async def _generate(self, request: Request, method: str, parse, kind: str) -> Response:
-        tenant, request_id, call = "-", "", None
+        call = None
         try:
             call = self._call(request)
-            tenant, request_id = call.tenant.id, call.request_id
-            parsed = parse(await _json_body(request))
+            if not self.gateway.serving:
+                raise Unavailable("draining: this gateway takes no new requests; retry")
+            parsed = parse(parse_json(await read_body(request, self.max_body_bytes)))
             parsed.request.request_id = call.request_id
             if parsed.user:
                 logger.info("openai request", user=parsed.user, stream=parsed.stream)
-            chunks = self.service.flow.generate(call, parsed.request)
-            first = await anext(chunks)      # admission errors become HTTP statuses, not a 200 stream
+            chunks = self.gateway.generate(call, parsed.request)
+            first = await anext(chunks, None)  # admission errors become HTTP statuses, not a 200 stream
+            if first is None:                    # a flow ends with a final chunk: never expected
+                raise Unavailable("the request ended without output; retry")
             shape = _Shape(kind, call.request_id, call.served_model, int(time.time()))
             headers = {"x-request-id": call.request_id, **dict(call.headers)}
             if parsed.stream:
                 events = self._sse(chunks, first, shape, parsed, method, call)
                 return EventSourceResponse(events, headers=headers, ping=15)
             reply = await _collect(chunks, first)
-            _count(method, call, "OK")
+            count(method, call, "OK")
             return JSONResponse(shape.whole(reply), headers=headers)
-        except (ServiceError, StopAsyncIteration) as exc:
-            _count(method, call, status_for(exc)[0].name, tenant)
+        except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error object, never a bare 500
+            count(method, call, _failure_code(exc))
             served = {"x-served-model": call.served_model} if call is not None and call.served_model else {}
-            return _error_response(exc, request_id or "-", served)
+            return _error_response(exc, call.request_id if call is not None else "-", served)
 
     async def _sse(self, chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: _Shape,
                    parsed: Parsed, method: str, call: Call) -> AsyncIterator[str]:
@@ -157,17 +169,25 @@ class OpenAIHttp:
                     yield json.dumps(shape.usage_chunk(chunk.usage))
                 chunk = await anext(chunks, None)
             yield "[DONE]"
-        except ServiceError as exc:            # after the 200: the error goes in the stream, as OpenAI does
-            code = status_for(exc)[0].name
+        except asyncio.CancelledError as exc:  # the client went away: counted as gRPC counts it
+            code = code_of(exc)
+            raise
+        except Exception as exc:  # noqa: BLE001 - after the 200 the error goes in the stream, as OpenAI does
+            code = _failure_code(exc)
             yield json.dumps(http_error(exc).body)
         finally:
-            _count(method, call, code)
+            count(method, call, code)
 
 
-def _count(method: str, call: Call | None, code: str, tenant: str = "-") -> None:
-    metrics.REQUESTS.labels(method, call.tenant.id if call is not None else tenant, code).inc()
-    if call is not None and call.served_model:
-        metrics.MODEL_REQUESTS.labels(call.served_model, code).inc()
+def _failure_code(exc: BaseException) -> str:
+    """The status name a failure is counted under, logged as the gRPC interceptor logs it: one no
+    caller can cause with its stack."""
+    code, reason, _ = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        logger.exception("unhandled error", error=repr(exc))
+    else:
+        logger.info("request failed", code=code.name, reason=reason)
+    return code_of(exc)
 
 
 @dataclass(frozen=True)
@@ -237,51 +257,22 @@ def _usage(usage: pb.Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}}
 
 
-async def _json_body(request: Request) -> dict:
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument("body", "not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", "must be a JSON object")
-    return body
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's error shape."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 400
+    phrase = HTTPStatus(status).phrase
+    body = {"error": {"message": f"{request.method} {request.url.path}: {phrase}", "type": "invalid_request_error",
+                      "param": None, "code": phrase.lower().replace(" ", "_")}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    """The last resort for an error no handler caught: logged with its stack, still a JSON object."""
+    _failure_code(exc)
+    return _error_response(exc, "-")
 
 
 def _error_response(exc: BaseException, request_id: str, extra: dict[str, str] | None = None) -> Response:
-    if isinstance(exc, StopAsyncIteration):       # a flow that ended without a chunk: never expected
-        exc = ServiceError("no output")
     error = http_error(exc)
     return JSONResponse(error.body, status_code=error.status,
-                        headers={"x-request-id": request_id, **error.headers, **(extra or {})})
-
-
-class HttpServer:
-    """uvicorn serving `app` on a socket bound here, in the running event loop (HTTPS with the
-    gRPC server's certificate when one is set).
-
-    uvicorn's own `serve()` would install its signal handlers over the gateway's; this runs its
-    startup / main loop / shutdown steps instead, and stops when told.
-    """
-
-    def __init__(self, app: Starlette, host: str, port: int, tls_cert: str = "", tls_key: str = "") -> None:
-        self.socket = socket.create_server((host, max(0, port)), reuse_port=False)
-        self.port = self.socket.getsockname()[1]
-        tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **tls))
-        self._task = None
-
-    async def start(self) -> None:
-        config = self.server.config
-        config.load()
-        self.server.lifespan = config.lifespan_class(config)
-        await self.server.startup(sockets=[self.socket])
-        self._task = asyncio.create_task(self.server.main_loop(), name="http")
-        logger.info("openai http serving", port=self.port)
-
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        self.server.should_exit = True
-        await self._task
-        await self.server.shutdown(sockets=[self.socket])
-        self._task = None
+                        headers={"x-request-id": header_id(request_id), **error.headers, **(extra or {})})

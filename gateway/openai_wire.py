@@ -1,4 +1,5 @@
-"""OpenAI request bodies → `GenerateRequest`, with a 400 naming the field for a wrong type.
+"""OpenAI request bodies → `GenerateRequest`, with a 400 naming the field for a wrong type; the
+body itself read within a size limit (413) and parsed as JSON (400 for bad UTF-8, JSON or depth).
 
 Unknown fields are ignored (clients send many); the values themselves are checked by the
 same validation as gRPC requests once the flow has the `GenerateRequest`.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from starlette.requests import Request
 
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
@@ -25,6 +28,18 @@ class Parsed:
     user: str = ""
 
 
+_UINT32, _INT32, _UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1
+
+
+def _text(value: str, name: str) -> str:
+    """`value` if it can be UTF-8 (JSON's `\\ud800` escapes decode to lone surrogates, which cannot)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(name, "is not valid UTF-8 (a lone surrogate escape)") from None
+    return value
+
+
 def _get(body: dict, name: str, types: tuple[type, ...], what: str) -> Any:
     """body[name] if present and not null, after a type check (bool is no number here)."""
     value = body.get(name)
@@ -32,26 +47,30 @@ def _get(body: dict, name: str, types: tuple[type, ...], what: str) -> Any:
         return None
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         raise InvalidArgument(name, f"must be {what}")
+    return _text(value, name) if isinstance(value, str) else value
+
+
+def _integer(body: dict, name: str, top: int) -> int | None:
+    """body[name] as an integer in 0..top (the range of its protobuf field), or None when absent."""
+    value = _get(body, name, (int,), "an integer")
+    if value is not None and not 0 <= value <= top:
+        raise InvalidArgument(name, f"must be in 0..{top}")
     return value
 
 
 def _sampling(body: dict) -> pb.SamplingParams:
     sampling = pb.SamplingParams()
-    max_tokens = _get(body, "max_completion_tokens", (int,), "an integer")
+    max_tokens = _integer(body, "max_completion_tokens", _UINT32)
     if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", (int,), "an integer")
+        max_tokens = _integer(body, "max_tokens", _UINT32)
     if max_tokens is not None:
-        if max_tokens < 0:
-            raise InvalidArgument("max_tokens", "must be >= 0")
         sampling.max_new_tokens = max_tokens
     for name in ("temperature", "top_p", "repetition_penalty"):
         if (value := _get(body, name, _NUMBER, "a number")) is not None:
             setattr(sampling, name, float(value))
-    if (top_k := _get(body, "top_k", (int,), "an integer")) is not None:
+    if (top_k := _integer(body, "top_k", _INT32)) is not None:
         sampling.top_k = top_k
-    if (seed := _get(body, "seed", (int,), "an integer")) is not None:
-        if seed < 0:
-            raise InvalidArgument("seed", "must be >= 0")
+    if (seed := _integer(body, "seed", _UINT64)) is not None:
         sampling.seed = seed
     if _get(body, "ignore_eos", (bool,), "a boolean"):
         sampling.ignore_eos = True
@@ -66,7 +85,7 @@ def _stops(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stops):
         raise InvalidArgument("stop", "must be a string or a list of strings")
-    return stops
+    return [_text(s, "stop") for s in stops]
 
 
 def _common(body: dict, request: pb.GenerateRequest) -> Parsed:
@@ -86,7 +105,10 @@ def _json_schema(response_format: dict) -> str:
     schema = _get(spec, "schema", (dict,), "an object")
     if schema is None:
         raise InvalidArgument("response_format.json_schema.schema", "required: the JSON schema object")
-    return json.dumps(schema)
+    try:
+        return json.dumps(schema)
+    except (RecursionError, UnicodeEncodeError, ValueError):
+        raise InvalidArgument("response_format.json_schema.schema", "nested too deeply or not encodable") from None
 
 
 def _response_format(body: dict, out: pb.ResponseFormat) -> None:
@@ -105,13 +127,14 @@ def _response_format(body: dict, out: pb.ResponseFormat) -> None:
 def _content(message: dict, i: int) -> str:
     """A message's text: a string, or a list of text parts."""
     content = message.get("content")
+    field = f"messages[{i}].content"
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _text(content, field)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _text("".join(p["text"] for p in content), field)
     raise InvalidArgument(f"messages[{i}].content", "must be a string or a list of text parts")
 
 
@@ -124,7 +147,7 @@ def parse_chat(body: dict) -> Parsed:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidArgument(f"messages[{i}]", "must be an object with a string role")
-        request.messages.add(role=message["role"], content=_content(message, i))
+        request.messages.add(role=_text(message["role"], f"messages[{i}].role"), content=_content(message, i))
     return _common(body, request)
 
 
@@ -135,4 +158,50 @@ def parse_completion(body: dict) -> Parsed:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidArgument("prompt", "must be a string (or a list of one string)")
-    return _common(body, pb.GenerateRequest(prompt=prompt))
+    return _common(body, pb.GenerateRequest(prompt=_text(prompt, "prompt")))
+
+
+class BodyTooLarge(InvalidArgument):
+    """A request body over the gateway's limit: HTTP 413, found while reading, never buffered whole."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__("body", f"exceeds {limit} bytes")
+
+
+# A body a little over the limit is read to its end (and dropped) before the 413, so the client
+# reads the answer instead of a connection reset; one beyond this many times the limit is not.
+_DRAIN_FACTOR = 4
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes, at most `limit` of them held; BodyTooLarge once the declared or received
+    size passes it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit * _DRAIN_FACTOR:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit * _DRAIN_FACTOR:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise BodyTooLarge(limit)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> dict:
+    """A JSON object from the body; 400 for bad UTF-8, bad JSON, nesting beyond the parser's depth,
+    or anything but an object at the top."""
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise InvalidArgument("body", "is not valid UTF-8") from None
+    except RecursionError:
+        raise InvalidArgument("body", "JSON nested too deeply") from None
+    except ValueError:
+        raise InvalidArgument("body", "not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    return body

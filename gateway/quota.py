@@ -18,6 +18,12 @@ Three limits, all keys under the tenant's hash tag `{t:<tenant>}`:
 No limit is charged unless every limit admits. Time is Redis `TIME`, so all
 gateways share one clock.
 
+A request is admitted in two steps, so nothing costly runs for a request its tenant may not
+make: `admit` with cost 0 (rate + lease) before any tokenizing or grammar compile, then
+`reserve` the tokens once they are counted (a refusal there keeps the rate charge, as a
+failed compile does: the gateway did work for it). One step (`admit` with the cost) stays
+for callers that know the cost up front.
+
 Besides whole requests (`admit`): a Tokenize call is charged against the rate only
 (`charge_request`), and a stream viewer that re-attaches to a request takes a lease of
 its own (`lease`, no tokens) unless it carries on the request's, so resumes count
@@ -90,6 +96,24 @@ redis.call('HSET', KEYS[4], rid, cost)
 redis.call('PEXPIRE', KEYS[4], ttl * 2)
 redis.call('HINCRBY', KEYS[5], 'reserved', cost)
 return {1, '', 0, remaining_requests, math.floor(level - cost)}
+"""
+
+# KEYS: tokens reserved ledger   ARGV: request_id cost tokens_per_minute
+# The tokens of a request `admit` let in with cost 0 (its reservation is there, at 0).
+RESERVE = _NOW + _BUCKET + """
+local rid, cost, cap = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+if redis.call('HEXISTS', KEYS[2], rid) == 0 then
+  return {0, 'lease_expired', 0, 0}
+end
+local level = bucket_level(KEYS[1], cap, now)
+if cost > level then
+  return {0, 'tokens_per_minute', math.ceil((cost - level) * 60000 / cap), math.floor(level)}
+end
+redis.call('HSET', KEYS[1], 'level', tostring(level - cost), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], 120000)
+redis.call('HINCRBY', KEYS[2], rid, cost)
+redis.call('HINCRBY', KEYS[3], 'reserved', cost)
+return {1, '', 0, math.floor(level - cost)}
 """
 
 # KEYS: rate   ARGV: interval_ms burst
@@ -196,6 +220,7 @@ class Quota:
         self._renew = redis.register_script(RENEW)
         self._peek = redis.register_script(PEEK)
         self._charge_request = redis.register_script(CHARGE_REQUEST)
+        self._reserve = redis.register_script(RESERVE)
         self._lease = redis.register_script(LEASE)
 
     async def admit(self, limits: Limits, request_id: str, cost_tokens: int) -> Decision:
@@ -207,6 +232,15 @@ class Quota:
             keys=[k["rate"], k["tokens"], k["leases"], k["reserved"], k["ledger"]], args=args)
         limit = limit.decode() if isinstance(limit, bytes) else str(limit)
         return Decision(bool(ok), limit, int(retry), max(0, int(rem_req)), max(0, int(rem_tok)))
+
+    async def reserve(self, limits: Limits, request_id: str, cost_tokens: int) -> Decision:
+        """Reserve the tokens of a request admitted with cost 0, or refuse with tokens_per_minute
+        (lease_expired: its lease lapsed meanwhile). Refunded by `release`, as admitted tokens are."""
+        k = tenant_keys(limits.tenant)
+        ok, limit, retry, rem_tok = await self._reserve(keys=[k["tokens"], k["reserved"], k["ledger"]],
+                                                        args=[request_id, int(cost_tokens), limits.tokens_per_minute])
+        limit = limit.decode() if isinstance(limit, bytes) else str(limit)
+        return Decision(bool(ok), limit, int(retry), 0, max(0, int(rem_tok)))
 
     async def charge_request(self, limits: Limits) -> Decision:
         """Charge one request against the rate only (no tokens, no lease): a Tokenize call."""

@@ -18,9 +18,8 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gateway import metrics
-from gateway.quota import Limits, Quota
-from llmserve.errors import ResourceExhausted
+from gateway.calls import rejection
+from gateway.quota import Decision, Limits, Quota
 
 
 class TenantStreams:
@@ -40,10 +39,8 @@ class TenantStreams:
     def slot(self, tenant: str) -> Iterator[None]:
         """Hold one of the tenant's stream slots for the duration of the block."""
         if self.open[tenant] >= self.cap:
-            metrics.REJECTIONS.labels(tenant, "max_tenant_streams").inc()
-            raise ResourceExhausted("max_tenant_streams", self.retry_after_ms,
-                                    f"quota exceeded: max_tenant_streams ({self.cap} open streams of this tenant "
-                                    f"on this gateway); retry after {self.retry_after_ms} ms")
+            refused = Decision(False, "max_tenant_streams", self.retry_after_ms, 0, 0)
+            raise rejection(tenant, refused, f" ({self.cap} open streams of this tenant on this gateway)")
         self.open[tenant] += 1
         try:
             yield
@@ -69,10 +66,7 @@ class ViewerLease:
         lease_id = f"{request_id}#viewer-{uuid.uuid4().hex[:12]}"
         decision = await quota.lease(limits, lease_id)
         if not decision.admitted:
-            metrics.REJECTIONS.labels(limits.tenant, decision.limit).inc()
-            raise ResourceExhausted(decision.limit, decision.retry_after_ms,
-                                    f"quota exceeded: {decision.limit} (a re-attached stream holds a lease); "
-                                    f"retry after {decision.retry_after_ms} ms")
+            raise rejection(limits.tenant, decision, " (a re-attached stream holds a lease)")
         return cls(quota, limits.tenant, lease_id, lease_ttl_s / 3)
 
     async def keep(self) -> None:

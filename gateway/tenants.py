@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,7 +173,7 @@ class TenantRegistry:
     def tenant_ids(self) -> set[str]:
         return {t.id for t in self._by_hash.values()}
 
-    def authenticate(self, metadata: dict[str, str]) -> Tenant:
+    def authenticate(self, metadata: Mapping[str, str]) -> Tenant:
         """The tenant of `authorization: Bearer <key>`; UNAUTHENTICATED otherwise."""
         header = metadata.get("authorization", "")
         scheme, _, api_key = header.partition(" ")

@@ -1,7 +1,8 @@
 """Request validation before any work is queued. Every failure is INVALID_ARGUMENT
 naming the field (`sampling.top_p: must be in (0, 1]`).
 
-Two stages: `validate_request` (shape and ranges, before tokenizing) and
+Two stages: `validate_request` (shape, ranges and sizes: cheap, before the quota; the
+response_format's compile comes after it, gateway/response_format.py) and
 `resolve_sampling` (lengths against the model's context and the tenant's cap,
 once the prompt's token count is known).
 """
@@ -13,7 +14,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from gateway.grammars import check_response_format
+from gateway.response_format import check_size
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
@@ -94,7 +95,7 @@ def check_sampling(s: pb.SamplingParams, limits: RequestLimits) -> None:
     if s.HasField("max_new_tokens") and s.max_new_tokens < 1:
         raise InvalidArgument("sampling.max_new_tokens", "must be >= 1")
     _check_stops(s.stop, limits)
-    check_response_format(s.response_format, limits.max_response_format_bytes, limits.max_response_format_choices)
+    check_size(s.response_format, limits.max_response_format_bytes, limits.max_response_format_choices)
 
 
 def check_request_id(request_id: str, limits: RequestLimits) -> None:
@@ -106,7 +107,7 @@ def check_request_id(request_id: str, limits: RequestLimits) -> None:
 
 
 def validate_request(request: pb.GenerateRequest, limits: RequestLimits) -> None:
-    """Everything that can be checked before tokenizing."""
+    """Everything cheap enough to check before the quota admits the request (no compile, no tokenizing)."""
     check_request_id(request.request_id, limits)
     check_input(request.prompt, request.messages, limits)
     check_sampling(request.sampling, limits)

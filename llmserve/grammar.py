@@ -101,20 +101,34 @@ class GrammarCache:
 
     def get(self, fmt: pb.ResponseFormat) -> str:
         """grammar_of(fmt), from the cache when the same content was seen. Raises GrammarError."""
-        key = fmt.SerializeToString(deterministic=True)
-        entry = self._entries.get(key)
+        entry = self.lookup(fmt)
         if entry is None:
-            self.misses += 1
-            try:
-                entry = grammar_of(fmt)
-            except GrammarError as e:
-                entry = e
-            self._entries[key] = entry
-            if len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-        else:
-            self.hits += 1
-            self._entries.move_to_end(key)
+            entry = self.store(fmt, compile_entry(fmt))
         if isinstance(entry, GrammarError):
             raise entry
         return entry
+
+    def lookup(self, fmt: pb.ResponseFormat) -> str | GrammarError | None:
+        """The cached grammar or failure of this content (a hit), or None (compile it, then `store`)."""
+        key = fmt.SerializeToString(deterministic=True)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+        return entry
+
+    def store(self, fmt: pb.ResponseFormat, entry: str | GrammarError) -> str | GrammarError:
+        """Remember what compiling `fmt` gave (a miss); the oldest entry goes beyond capacity."""
+        self.misses += 1
+        self._entries[fmt.SerializeToString(deterministic=True)] = entry
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return entry
+
+
+def compile_entry(fmt: pb.ResponseFormat) -> str | GrammarError:
+    """grammar_of(fmt), with a failure returned rather than raised (what a cache keeps)."""
+    try:
+        return grammar_of(fmt)
+    except GrammarError as e:
+        return e

@@ -1,7 +1,7 @@
 """A weighted choice fixed by a string: the same key always gets the same pick for the same weights.
 
 Used where a request must land on the same target on a retry or a resume without any stored
-state: the model version behind an alias (gateway/routing.py) and the queue cell of a request
+state: the model version behind an alias (gateway/model_router.py) and the queue cell of a request
 (llmserve/queue_cells.py).
 """
 

@@ -25,9 +25,10 @@ import asyncio
 import inspect
 import os
 import signal
-from collections.abc import Sequence
+import ssl
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 import prometheus_client
@@ -40,6 +41,7 @@ from llmserve.errors import ServiceError, Unavailable
 from llmserve.settings import CommonSettings
 
 logger = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 # Downstream gRPC codes that keep their meaning when passed on to our caller.
 _PASS_THROUGH_CODES = frozenset({
@@ -164,30 +166,39 @@ def _file_stamp(*paths: str) -> tuple:
     return tuple((st.st_ino, st.st_mtime_ns, st.st_size) for st in map(os.stat, paths))
 
 
+class CertificateFiles:
+    """A PEM certificate and key on disk, re-read at the first handshake after either file changed
+    (a Secret volume swaps both at once). One mechanism for every TLS listener (gRPC, HTTP)."""
+
+    def __init__(self, cert_path: str, key_path: str) -> None:
+        self.cert_path, self.key_path = cert_path, key_path
+        self._stamp = _file_stamp(cert_path, key_path)
+
+    def reload_if_changed(self, load: Callable[[], T]) -> T | None:
+        """`load()` when the files changed since the last load, else None. Mid-rotation (a file
+        missing or unreadable) the current certificate stays and the next handshake tries again."""
+        try:
+            stamp = _file_stamp(self.cert_path, self.key_path)
+            if stamp == self._stamp:
+                return None
+            fresh = load()
+        except (OSError, ssl.SSLError) as exc:
+            logger.warning("tls certificate not reloaded", error=repr(exc))
+            return None
+        self._stamp = stamp
+        logger.info("tls certificate reloaded", cert=self.cert_path)
+        return fresh
+
+
 def tls_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
-    """Server TLS from PEM files, re-read at the first handshake after either file changed (a Secret
-    volume swaps both at once); connections already open keep the certificate they got."""
+    """Server TLS from PEM files, reloaded as `CertificateFiles` says; connections already open keep
+    the certificate they got."""
     def configuration() -> grpc.ServerCertificateConfiguration:
         key, cert = Path(key_path).read_bytes(), Path(cert_path).read_bytes()
         return grpc.ssl_server_certificate_configuration([(key, cert)])
 
-    loaded = {"stamp": _file_stamp(cert_path, key_path)}
-    initial = configuration()
-
-    def fetch() -> grpc.ServerCertificateConfiguration | None:
-        try:
-            stamp = _file_stamp(cert_path, key_path)
-            if stamp == loaded["stamp"]:
-                return None
-            fresh = configuration()
-        except OSError as exc:      # mid-rotation: keep serving the current certificate
-            logger.warning("tls certificate not reloaded", error=repr(exc))
-            return None
-        loaded["stamp"] = stamp
-        logger.info("tls certificate reloaded", cert=cert_path)
-        return fresh
-
-    return grpc.dynamic_ssl_server_credentials(initial, fetch)
+    files = CertificateFiles(cert_path, key_path)
+    return grpc.dynamic_ssl_server_credentials(configuration(), lambda: files.reload_if_changed(configuration))
 
 
 async def _start_health_server(health_servicer: health.aio.HealthServicer,

@@ -1,5 +1,7 @@
 """Bad input: thousands of random and mutated requests get only the status codes the API allows,
-and every service is still SERVING and answering afterwards.
+and every service is still SERVING and answering afterwards. The OpenAI HTTP port too: nesting,
+bad UTF-8, odd content types, wrong types in every field and bodies over the limit get a 4xx JSON
+error (or a 200), never a 5xx, and it still answers afterwards.
 
 Runs on the shared stack when that uses tests/data/tenants.test.yaml (tenant "fuzz", key "fuzz-key": quotas
 high enough that requests reach validation; completions capped at 4 tokens), else on a stack of its own.
@@ -7,6 +9,7 @@ high enough that requests reach validation; completions capped at 4 tokens), els
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -77,7 +80,7 @@ def fuzz_stack(stack, tmp_path_factory):
         return
     from llmserve.stack import Stack, StackConfig
 
-    own = Stack(StackConfig(workers=1, device="cpu", port=0, tenants=TEST_TENANTS,
+    own = Stack(StackConfig(workers=1, device="cpu", port=0, http_port=-1, tenants=TEST_TENANTS,
                             log_dir=tmp_path_factory.mktemp("fuzz-stack")))
     try:
         yield own.start()
@@ -346,6 +349,104 @@ def test_raw_bytes_invalid_utf8_and_mutations(channel, inference):
     outcomes = run_all(jobs)
     assert_allowed(outcomes)
     assert all(o.code != grpc.StatusCode.OK for o in outcomes if o.label.startswith("bad utf8"))
+
+
+# -- the OpenAI HTTP port: only 4xx JSON errors (or a 200), never a 5xx ----------------------------------
+HTTP_PATHS = ("/v1/chat/completions", "/v1/completions")
+HTTP_AUTH = {"authorization": "Bearer fuzz-key"}
+HTTP_TALLY: Counter = Counter()
+BODY_LIMIT = 4 * MB       # the gateway's default --max-http-body-bytes
+VALUES = [None, 0, -1, 1, 2**31, 2**64, 2**70, -(2**70), 1.5, -0.0, 1e308, "", "x", "\ud800", [], [1], {}, {"a": 1},
+          True, False, [{"role": "user"}], [{"role": 1, "content": "x"}], [{"type": "image_url"}]]
+FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "stop", "seed", "n", "stream", "stream_options", "response_format", "user", "ignore_eos",
+          "repetition_penalty"]
+
+
+def http_post(http, path: str, label: str, **kw) -> tuple[str, int]:
+    """POST and return (label, status) after checking the reply's shape: a 200 answer or OpenAI's error."""
+    reply = http.post(path, **kw)
+    HTTP_TALLY[reply.status_code] += 1
+    if reply.status_code != 200:
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, (label, reply.text[:300])
+    return label, reply.status_code
+
+
+def run_http(jobs) -> list[tuple[str, int]]:
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda job: job(), jobs))
+
+
+def assert_4xx_or_ok(outcomes: list[tuple[str, int]], expect: int | None = None) -> None:
+    bad = [(label, status) for label, status in outcomes if not (status == 200 or 400 <= status < 500)]
+    assert bad == [], f"{len(bad)} answers outside 200/4xx, first ones: {bad[:5]}"
+    if expect is not None:
+        wrong = [(label, status) for label, status in outcomes if status != expect]
+        assert wrong == [], wrong[:5]
+
+
+@pytest.fixture(scope="module")
+def http(fuzz_stack):
+    import httpx2
+    with httpx2.Client(base_url=fuzz_stack.http_url, headers=HTTP_AUTH, timeout=TIMEOUT_S) as client:
+        yield client
+
+
+def nested(depth: int) -> bytes:
+    return b'{"messages": [{"role": "user", "content": ' + b"[" * depth + b"]" * depth + b"}]}"
+
+
+def test_http_nesting_bad_utf8_and_odd_content_types_are_400(http):
+    bodies = [("100k brackets", b"[" * 100_000 + b"]" * 100_000), ("100k objects", b'{"a":' * 100_000),
+              ("deep inside messages", nested(50_000)), ("deep but legal", nested(64)),
+              ("bad utf-8", b'{"messages": [{"role": "user", "content": "\xff\xc0"}], "max_tokens": 2}'),
+              ("utf-16", '{"prompt": "hi"}'.encode("utf-16")), ("nul bytes", b"\x00" * 1000),
+              ("truncated", b'{"messages": [{"role": "user", "content": "hi'), ("empty", b""),
+              ("a number", b"12"), ("NaN", b'{"prompt": "hi", "temperature": NaN}')]
+    rng = random.Random(7)
+    valid = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
+    bodies += [(f"mutation {i}", bytes(b ^ (rng.random() < 0.05) * rng.randrange(256) for b in valid)) for i in range(60)]
+    types = ["application/json", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+             "application/json; charset=latin-1", "", "application/octet-stream"]
+    jobs = [lambda p=p, n=n, b=b, t=t: http_post(http, p, f"{n} as {t!r}", content=b, headers={"content-type": t})
+            for p in HTTP_PATHS for n, b in bodies for t in types[:3 if n.startswith("mutation") else None]]
+    outcomes = run_http(jobs)
+    assert_4xx_or_ok(outcomes)
+    assert all(status == 400 for label, status in outcomes if label.startswith(("100k", "deep inside", "bad utf")))
+
+
+def test_http_wrong_types_in_every_field(http):
+    base = {"chat": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            "text": {"prompt": "Hi", "max_tokens": 2}}
+    jobs = []
+    for path, kind in zip(HTTP_PATHS, base):
+        for field in FIELDS:
+            for value in VALUES:
+                body = json.dumps({**base[kind], field: value})  # "\ud800": a lone surrogate escape
+                jobs.append(lambda p=path, b=body, f=field, v=value: http_post(http, p, f"{f}={v!r}", content=b))
+    outcomes = run_http(jobs)
+    assert_4xx_or_ok(outcomes)
+    assert sum(status == 400 for _, status in outcomes) > len(outcomes) // 2
+
+
+def test_http_bodies_over_the_limit_are_413(http):
+    def chunks(total: int):
+        for _ in range(total // MB):
+            yield b" " * MB
+    padding = json.dumps({"prompt": "hi", "padding": "x" * (BODY_LIMIT + MB)}).encode()
+    outcomes = [http_post(http, "/v1/completions", "declared 5 MiB", content=padding),
+                http_post(http, "/v1/completions", "chunked 6 MiB", content=chunks(6 * MB))]
+    assert_4xx_or_ok(outcomes, expect=413)
+
+
+def test_http_port_is_healthy_after_the_fuzz(fuzz_stack, http):
+    for path in ("/health", "/ready"):
+        assert http.get(path).status_code == 200
+    reply = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+    assert HTTP_TALLY[400] > 0 and HTTP_TALLY[413] > 0 and not any(status >= 500 for status in HTTP_TALLY), HTTP_TALLY
+    print(f"\nhttp fuzz outcomes: {dict(HTTP_TALLY.most_common())}")
 
 
 # -- afterwards: still healthy, still serving --------------------------------------------------------

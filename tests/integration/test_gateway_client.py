@@ -9,8 +9,8 @@ import pytest
 from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
 from test_gateway_service import TENANTS
 
+from gateway.__main__ import build
 from gateway.config import GatewaySettings
-from gateway.service import InferenceService
 from llmserve import redis_client
 from llmserve.client import AsyncClient, Client, LLMServeError
 from llmserve.server import start_server
@@ -24,7 +24,7 @@ class Env:
 async def start_gateway(env, port):
     settings = GatewaySettings(tenants=str(env.tenants), tokenizer_target=env.tok_target, redis_url=env.redis_url,
                                models=MODEL, port=port, detach_grace_s=10.0, tokenizer_wait_s=30)
-    service = InferenceService(settings)
+    service = build(settings)
     handle = await start_server(service, settings, settings.max_message_bytes)
     await service.start()
     await handle.set_serving(True)
@@ -126,7 +126,7 @@ async def test_tls_with_root_cert(env, tmp_path):
                    check=True, capture_output=True)
     settings = GatewaySettings(tenants=str(env.tenants), tokenizer_target=env.tok_target, redis_url=env.redis_url,
                                models=MODEL, tls_cert=str(cert), tls_key=str(key), tokenizer_wait_s=30)
-    service = InferenceService(settings)
+    service = build(settings)
     handle = await start_server(service, settings, settings.max_message_bytes)
     await service.start()
     await handle.set_serving(True)

@@ -112,6 +112,23 @@ async def test_tokens_limit_names_limit_and_retry(quota):
     assert (await quota.admit(limits, "b", 60)).admitted
 
 
+async def test_two_step_admission_reserves_tokens_after_the_lease(quota):
+    """admit(cost 0) takes rate and lease; reserve() adds the counted tokens; release refunds them."""
+    limits = Limits("two", requests_per_second=100, burst=100, tokens_per_minute=100, max_concurrent=1)
+    first = await quota.admit(limits, "a", 0)
+    assert first.admitted and first.remaining_tokens == 100
+    assert (await quota.admit(limits, "b", 0)).limit == "max_concurrent"   # the lease is held already
+    reserved = await quota.reserve(limits, "a", 70)
+    assert (reserved.admitted, reserved.remaining_tokens) == (True, 30)
+    assert await quota.ledger("two") == (70, 0)
+    assert await quota.release(limits, "a", 20) == 50
+    assert (await quota.admit(limits, "c", 0)).admitted
+    short = await quota.reserve(limits, "c", 90)
+    assert (short.admitted, short.limit) == (False, "tokens_per_minute") and short.retry_after_ms > 0
+    assert await quota.release(limits, "c", 0) == 0            # nothing was reserved: nothing to refund
+    assert (await quota.reserve(limits, "c", 1)).limit == "lease_expired"
+
+
 async def test_64_callers_3_processes_never_exceed_gcra(redis_url, clean_redis):
     rps, burst, window_s = 5, 10, 3.0
     results, start_at = run_callers(redis_url, "gcra64", rps, burst, 1000, window_s, 0.0)

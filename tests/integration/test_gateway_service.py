@@ -2,7 +2,9 @@
 scripted worker writing real event streams (tests/integration/gateway_harness.py)."""
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import time
 
 import grpc
@@ -10,10 +12,11 @@ import pytest
 from gateway_harness import ANSWER, MODEL, ScriptedWorker, start_tokenizer_server
 from prometheus_client import REGISTRY
 
+from gateway.__main__ import build
 from gateway.config import GatewaySettings
 from gateway.quota import tenant_keys
-from gateway.service import InferenceService
 from gateway.tenants import hash_key
+from gateway.validation import RequestLimits
 from llmserve import keys, redis_client
 from llmserve.server import start_server
 from llmserve.v1 import inference_pb2 as pb
@@ -35,6 +38,8 @@ tenants:
      tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
   - {{id: single, api_keys: ["sha256:{hash_key('single-key')}"], requests_per_second: 1000, burst: 1000,
      tokens_per_minute: 10000000, max_concurrent: 1, max_new_tokens: 64, priority: normal, models: ["*"]}}
+  - {{id: schemer, api_keys: ["sha256:{hash_key('schemer-key')}"], requests_per_second: 0.01, burst: 2,
+     tokens_per_minute: 10000000, max_concurrent: 16, max_new_tokens: 64, priority: normal, models: ["*"]}}
   - {{id: fenced, api_keys: ["sha256:{hash_key('fenced-key')}"], requests_per_second: 10, burst: 10,
      tokens_per_minute: 100000, max_concurrent: 4, max_new_tokens: 64, priority: normal, models: ["llama-70b"]}}
 """
@@ -59,7 +64,7 @@ async def env(redis_url, smollm2_path, tmp_path_factory):
     e.settings = GatewaySettings(tenants=str(tenants), tokenizer_target=tok_target, redis_url=redis_url,
                                  models=MODEL, detach_grace_s=0.5, cancel_grace_s=1.0, max_queue_wait_s=2.0,
                                  queue_max_depth=SHED_DEPTH, lease_ttl_s=10, tokenizer_wait_s=30)
-    e.service = InferenceService(e.settings)
+    e.service = build(e.settings)
     e.handle = await start_server(e.service, e.settings, e.settings.max_message_bytes)
     await e.service.start()
     await e.handle.set_serving(True)
@@ -330,7 +335,7 @@ async def test_list_models_and_tokenize(env):
 
 
 async def test_sighup_reload_keeps_streams(env, tmp_path):
-    path = env.service.tenants.path
+    path = env.service.gateway.tenants.path
     original = path.read_text()
     call = env.stub.Generate(req("slow-sighup", max_new_tokens=20), metadata=ACME, timeout=60)
     await call.read()
@@ -341,13 +346,13 @@ async def test_sighup_reload_keeps_streams(env, tmp_path):
         import os
         import signal
         os.kill(os.getpid(), signal.SIGHUP)
-        assert await eventually(lambda: _async_true("late" in env.service.tenants.tenant_ids()))
+        assert await eventually(lambda: _async_true("late" in env.service.gateway.tenants.tenant_ids()))
         rest = await read_rest(call)
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and rest[-1].usage.completion_tokens == 20
         await env.stub.ListModels(pb.ListModelsRequest(), metadata=(("authorization", "Bearer late-key"),))
     finally:
         path.write_text(original)
-        env.service.tenants.reload()
+        env.service.gateway.tenants.reload()
 
 
 async def test_dispatched_request_outlives_max_queue_wait(env):
@@ -427,7 +432,7 @@ async def test_resume_after_a_disconnect_carries_the_requests_lease_on(env):
 
 async def test_one_tenant_cannot_take_every_stream_of_a_gateway(env):
     settings = dataclasses.replace(env.settings, max_tenant_streams=2)
-    service = InferenceService(settings)
+    service = build(settings)
     handle = await start_server(service, settings, settings.max_message_bytes)
     await service.start()
     await handle.set_serving(True)
@@ -446,7 +451,7 @@ async def test_one_tenant_cannot_take_every_stream_of_a_gateway(env):
         # another tenant still streams through this gateway
         assert (await stub.Complete(req(), metadata=OTHER, timeout=30)).text == ANSWER
         held.pop().cancel()
-        assert await eventually(lambda: _async_true(service.flow.streams.open["acme"] == 1))
+        assert await eventually(lambda: _async_true(service.gateway.flow.streams.open["acme"] == 1))
         assert (await stub.Complete(req(), metadata=ACME, timeout=30)).text == ANSWER
     finally:
         for call in held:
@@ -486,3 +491,69 @@ async def drop_blocked_reads(env) -> None:
         if ids:
             await env.redis.execute_command("CLIENT", "KILL", "ID", *ids)
         await asyncio.sleep(0.01)
+
+
+# -- admission order: cheap checks first; compiles off the loop and charged -----------------------------
+def big_schema(tag: str, fields: int = 900) -> pb.ResponseFormat:
+    """A unique JSON schema of ~58 KB (patterns make its lexer costly to build)."""
+    props = {f"{tag}_{k}": {"type": "string", "pattern": f"[a-z]{{1,{k % 20 + 1}}}x{k}"} for k in range(fields)}
+    schema = json.dumps({"type": "object", "properties": props, "required": list(props)[:50]})
+    assert 50_000 < len(schema) < RequestLimits().max_response_format_bytes
+    return pb.ResponseFormat(json_schema=schema)
+
+
+def with_format(fmt: pb.ResponseFormat, **kw) -> pb.GenerateRequest:
+    request = req(**kw)
+    request.sampling.response_format.CopyFrom(fmt)
+    return request
+
+
+def compiles(tenant: str) -> float:
+    return sum(REGISTRY.get_sample_value("llmserve_gateway_grammar_compiles_total",
+                                         {"tenant": tenant, "result": result}) or 0.0
+               for result in ("ok", "invalid", "timeout"))
+
+
+def compiles_in_flight() -> float:
+    return REGISTRY.get_sample_value("llmserve_gateway_grammar_compiles_in_flight")
+
+
+async def test_a_rate_limited_tenants_schema_is_refused_for_rate_without_compiling(env):
+    tiny = (("authorization", "Bearer tiny-key"),)
+    for _ in range(2):                 # burst 1 at 0.1/s: at most one of these is admitted
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await env.stub.Complete(req(), metadata=tiny, timeout=30)
+    misses = env.service.gateway.formats.cache.misses
+    err = await status_of(env.stub.Complete(with_format(big_schema("tiny")), metadata=tiny, timeout=30))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests_per_second" in err.details()
+    assert compiles("tiny") == 0 and env.service.gateway.formats.cache.misses == misses
+
+
+async def test_a_failed_compile_is_charged_to_the_tenant(env):
+    """schemer may make 2 requests (then one per 100 s): two invalid schemas spend them both."""
+    schemer = (("authorization", "Bearer schemer-key"),)
+    for i in range(2):
+        bad = pb.ResponseFormat(json_schema=json.dumps({"type": "integer", "minimum": 5 + i, "maximum": 1}))
+        err = await status_of(env.stub.Complete(with_format(bad), metadata=schemer, timeout=30))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("sampling.response_format")
+    assert compiles("schemer") == 2
+    err = await status_of(env.stub.Complete(req(), metadata=schemer, timeout=30))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests_per_second" in err.details()
+
+
+async def test_other_tenants_are_served_while_big_schemas_compile(env):
+    """Six unique 58 KB schemas queue on the compile thread; meanwhile the event loop goes on
+    answering another tenant (a ListModels call, a stream's tokens) before the compiles are done."""
+    assert compiles_in_flight() == 0
+    stream_call = env.stub.Generate(req("slow-beside-compiles", max_new_tokens=64), metadata=OTHER, timeout=60)
+    await stream_call.read()
+    compiling = [asyncio.ensure_future(env.stub.Complete(with_format(big_schema(f"s{i}"), max_new_tokens=4),
+                                                         metadata=ACME, timeout=60)) for i in range(6)]
+    assert await eventually(lambda: _async_true(compiles_in_flight() >= 1))
+    reply = await env.stub.ListModels(pb.ListModelsRequest(), metadata=OTHER, timeout=10)
+    chunk = await stream_call.read()
+    assert compiles_in_flight() >= 1, "the event loop answered only after every compile was done"
+    assert reply.models and chunk.token_ids
+    stream_call.cancel()
+    replies = await asyncio.gather(*compiling)
+    assert all(r.token_ids for r in replies)

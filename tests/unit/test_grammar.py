@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.grammars import cache_stats
+from gateway.response_format import FormatCompiler
 from gateway.validation import RequestLimits, resolve_sampling, validate_request
 from gpu_worker.requests import sampling_params, validate_item
 from llmserve.errors import InvalidArgument
@@ -62,11 +62,12 @@ def test_unset_format_is_free_text():
 
 
 @pytest.mark.parametrize("name", INVALID)
-def test_invalid_formats_name_the_field(name):
+async def test_invalid_formats_name_the_field(name):
     with pytest.raises(GrammarError):
         grammar_of(INVALID[name])
+    validate_request(request(INVALID[name]), LIMITS)      # the cheap checks pass; the compile refuses
     with pytest.raises(InvalidArgument) as err:
-        validate_request(request(INVALID[name]), LIMITS)
+        await FormatCompiler(timeout_s=60).check(INVALID[name], "t")
     assert err.value.field == "sampling.response_format"
     assert str(err.value).startswith("sampling.response_format")
 
@@ -89,12 +90,12 @@ def test_size_limits():
     assert err.value.field == "sampling.response_format.choice"
 
 
-def test_a_repeated_format_is_compiled_once():
+async def test_a_repeated_format_is_compiled_once():
     fmt = pb.ResponseFormat(regex=r"unique-[0-9]{7}")
-    hits, misses = cache_stats()
+    compiler = FormatCompiler(timeout_s=60)
     for _ in range(5):
-        validate_request(request(fmt), LIMITS)
-    assert cache_stats() == (hits + 4, misses + 1)
+        await compiler.check(fmt, "t")
+    assert (compiler.cache.hits, compiler.cache.misses) == (4, 1)
 
 
 def test_cache_is_bounded_and_remembers_failures():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing import Router
+from gateway.model_router import Router
 from gateway.tenants import parse_tenant
 from llmserve import model_store
 from llmserve.cli import parse_targets

@@ -28,8 +28,8 @@ class ModelInfo:
     context_length: int
 
 
-class ModelCatalog:
-    """Model id → ModelInfo, plus the tokenizer_svc client."""
+class TokenizerClient:
+    """Model id → ModelInfo (fetched from tokenizer_svc at start-up), and Encode calls to it."""
 
     def __init__(self, ids: list[str], tokenizer_target: str, timeout_s: float = 5.0) -> None:
         self.ids = list(ids)
@@ -74,7 +74,7 @@ class ModelCatalog:
             raise
 
     def get(self, model_id: str) -> ModelInfo:
-        """The concrete model `model_id` (gateway.routing resolves aliases); NOT_FOUND for one not served."""
+        """The concrete model `model_id` (gateway.model_router resolves aliases); NOT_FOUND for one not served."""
         if model_id not in self.ids:
             raise NotFound(f"unknown model {model_id!r}; ListModels lists the served ones")
         info = self.models.get(model_id)
@@ -88,11 +88,18 @@ class ModelCatalog:
         tokens spelled in the input are plain text, except in `text` when `allow_special_tokens`."""
         request = tokenizer_pb2.EncodeRequest(model=model_id, text=text, messages=messages,
                                               allow_special_tokens=allow_special_tokens)
+        caller_deadline = deadline
         deadline = min(deadline, time.monotonic() + self.timeout_s * 3) if deadline else \
             time.monotonic() + self.timeout_s * 3
-        async for attempt in retrying(deadline=deadline):
-            with attempt:
-                reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)))
+        try:
+            async for attempt in retrying(deadline=deadline):
+                with attempt:
+                    reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)))
+        except grpc.aio.AioRpcError as exc:
+            caller_left = caller_deadline is None or time.monotonic() < caller_deadline
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and caller_left:
+                raise Unavailable(f"tokenizer_svc did not answer within {self.timeout_s} s; retry") from exc
+            raise                 # the caller's own deadline passed, or a code that keeps its meaning
         return list(reply.token_ids)
 
     def list(self) -> list[pb.ModelInfo]:
