@@ -257,4 +257,4 @@ def test_engine_loop_failure_takes_the_worker_down(up, load, baseline):
     assert up.worker_pids()[victim] != pid
     assert f"{victim} exited with code 1" in up.stderr_text()
     log = up.service_log(victim)
-    assert "engine loop died" in log and "NOGROUP" in log
+    assert "task died; failing the service" in log and '"task": "engine-loop"' in log and "NOGROUP" in log
