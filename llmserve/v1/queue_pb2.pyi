@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ResolvedSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "repetition_penalty", "stop_token_ids", "response_format")
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "repetition_penalty", "stop_token_ids", "response_format", "logprobs", "top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,8 @@ class ResolvedSampling(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -25,10 +27,19 @@ class ResolvedSampling(_message.Message):
     repetition_penalty: float
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     response_format: _inference_pb2.ResponseFormat
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[_inference_pb2.ResponseFormat, _Mapping]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[_inference_pb2.ResponseFormat, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight")
+    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +56,7 @@ class WorkItem(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     model: str
@@ -61,7 +73,8 @@ class WorkItem(_message.Message):
     cache_salt: str
     dispatch_epoch: int
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ..., tenant_weight: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "items", "created_unix_ms")
@@ -82,7 +95,7 @@ class EventError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens", "admitted_unix_ms", "worker_id", "final", "dispatch_epoch")
+    __slots__ = ("request_id", "index", "token_ids", "finish_reason", "error", "prompt_tokens", "cached_prompt_tokens", "admitted_unix_ms", "worker_id", "final", "dispatch_epoch", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +107,7 @@ class TokenEvent(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -105,7 +119,8 @@ class TokenEvent(_message.Message):
     worker_id: str
     final: bool
     dispatch_epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., error: _Optional[_Union[EventError, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admitted_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., final: _Optional[bool] = ..., dispatch_epoch: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., error: _Optional[_Union[EventError, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admitted_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., final: _Optional[bool] = ..., dispatch_epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
     __slots__ = ("worker_id", "model", "free_blocks", "total_blocks", "block_size", "running", "waiting", "max_running", "draining", "sent_unix_ms", "cached_prefix_hashes", "admin_address")
