@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-import redis.asyncio as aioredis
-
-from llmserve import queue
+from llmserve import queue, redis_client
 from llmserve.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from llmserve.v1 import inference_pb2, queue_pb2
 
@@ -53,7 +51,7 @@ return 1
 """ % {"event_field": queue.EVENT_FIELD}
 
 
-async def write_final(redis: aioredis.Redis, items: list[tuple[queue_pb2.WorkItem, queue_pb2.TokenEvent]],
+async def write_final(redis: redis_client.AnyRedis, items: list[tuple[queue_pb2.WorkItem, queue_pb2.TokenEvent]],
                       ttl_s: int) -> None:
     """XADD each item's final event to its events stream and refresh the stream's TTL."""
     pipe = redis.pipeline(transaction=False)

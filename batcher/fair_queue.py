@@ -128,7 +128,7 @@ class FairQueue:
     """Per-priority, per-tenant queues of held items; see the module docstring."""
 
     def __init__(self) -> None:
-        self._classes = {p: _ClassQueue() for p in keys.PRIORITY_ORDER}
+        self._classes: dict[int, _ClassQueue] = {p: _ClassQueue() for p in keys.PRIORITY_ORDER}
         self._refs: set[tuple[str, str]] = set()
         self.prompt_tokens = 0  # of everything held
 

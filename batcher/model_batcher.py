@@ -19,8 +19,8 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any, cast
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import NoScriptError, RedisError
 
@@ -47,7 +47,7 @@ _PIPELINED = 8             # batches formed and dispatched per Redis round trip
 MAX_CONSECUTIVE_FAILURES = 5
 
 # Any Redis error: the batch loop retries the step (the cluster client's SlotNotCoveredError is no RedisError)
-REDIS_TROUBLE = (RedisError, OSError, *redis_client.UNAVAILABLE_ERRORS)
+REDIS_TROUBLE: tuple[type[Exception], ...] = (RedisError, OSError, *redis_client.UNAVAILABLE_ERRORS)
 
 _Plan = tuple[Capacity, list[Held]]
 _Drop = tuple[Held, DropReason, str]
@@ -58,12 +58,12 @@ class ModelBatcher:
     """Reads one queue cell's work streams and dispatches its batches to the cell's workers;
     see the module docstring."""
 
-    def __init__(self, redis: aioredis.Redis, scripts: Scripts, settings: BatcherSettings, model: str,
+    def __init__(self, redis: redis_client.AnyRedis, scripts: Scripts, settings: BatcherSettings, model: str,
                  consumer: str, shard: int = 0, rehome_to: Callable[[], int | None] = lambda: None) -> None:
         self.redis, self.scripts, self.settings = redis, scripts, settings
         self.model, self.shard, self.consumer = model, shard, consumer
         self.limits = settings.limits_for(model)
-        self.streams = {p: keys.work_stream(model, p, shard) for p in keys.PRIORITY_ORDER}
+        self.streams: dict[int, str] = {p: keys.work_stream(model, p, shard) for p in keys.PRIORITY_ORDER}
         self.queue = FairQueue()
         self.rehome_to = rehome_to
         self.pool = WorkerPool(settings.heartbeat_ttl_ms, settings.capacity_grace_ms)
@@ -125,7 +125,7 @@ class ModelBatcher:
 
     async def _release_held(self) -> None:
         """Mark what is still held as idle so another replica's XAUTOCLAIM takes it at once."""
-        by_stream = defaultdict(list)
+        by_stream: defaultdict[str, list[Any]] = defaultdict(list)   # redis-py types ids as a list of any id type
         for held in self.queue:
             by_stream[held.stream].append(held.entry_id)
         for stream, ids in by_stream.items():
@@ -163,18 +163,19 @@ class ModelBatcher:
             await asyncio.sleep(block_ms / 1000)
         if not rooms:
             return
-        reply = await self.redis.xreadgroup(keys.WORK_GROUP, self.consumer, {s: ">" for s in rooms},
-                                            count=max(rooms.values()), block=None if holding else block_ms)
+        reply = cast(redis_client.StreamReply, await self.redis.xreadgroup(
+            keys.WORK_GROUP, self.consumer, {s: ">" for s in rooms}, count=max(rooms.values()),
+            block=None if holding else block_ms))
         read_at = time.monotonic()
         for stream, entries in reply or []:
-            await self.accept(_text(stream), entries, read_at)
+            await self.accept(redis_client.text(stream), entries, read_at)
         metrics.HELD.labels(self.model, str(self.shard)).set(len(self.queue))
 
     async def accept(self, stream: str, entries: list, read_at: float) -> int:
         """Queue entries read or claimed from `stream`; malformed ones are acked and counted."""
         accepted, malformed = 0, []
         for entry_id, fields in entries:
-            entry_id = _text(entry_id)
+            entry_id = redis_client.text(entry_id)
             try:
                 item = queue.decode_item(fields)
             except queue.Undecodable:
@@ -325,8 +326,8 @@ class ModelBatcher:
     async def _maybe_refresh_workers(self, now: float) -> None:
         if now - self._workers_at < self.settings.workers_poll_ms / 1000:
             return
-        raw = await self.redis.hgetall(keys.workers_hash(self.model, self.shard))
-        self.pool.update({_text(k): hb for k, v in raw.items() if (hb := _heartbeat(v)) is not None})
+        raw = cast(dict[bytes, bytes], await self.redis.hgetall(keys.workers_hash(self.model, self.shard)))
+        self.pool.update({redis_client.text(k): hb for k, v in raw.items() if (hb := _heartbeat(v)) is not None})
         self._workers_at = now
 
     async def _housekeeping(self, now: float) -> None:
@@ -379,7 +380,7 @@ class ModelBatcher:
                 for held in chunk:
                     held.touched_at = now
                 if lost:
-                    gone = self.queue.remove_if(lambda h, s=stream, ids=lost: h.stream == s and h.entry_id in ids)
+                    gone = self.queue.remove_if(_is_among(stream, lost))
                     metrics.CONFLICTS.labels(self.model).inc(len(gone))
 
 
@@ -390,13 +391,13 @@ def _sources(batch: list[Held]) -> list[Source]:
     return [Source(stream, keys.WORK_GROUP, ids) for stream, ids in by_stream.items()]
 
 
+def _is_among(stream: str, entry_ids: set[str]) -> Callable[[Held], bool]:
+    return lambda held: held.stream == stream and held.entry_id in entry_ids
+
+
 def _heartbeat(raw: bytes) -> queue_pb2.WorkerHeartbeat | None:
     """A worker's heartbeat; an undecodable one counts as no heartbeat (the worker looks silent)."""
     try:
         return queue_pb2.WorkerHeartbeat.FromString(raw)
     except Exception:  # noqa: BLE001 - DecodeError and friends
         return None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

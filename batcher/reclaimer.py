@@ -15,8 +15,8 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
@@ -26,7 +26,7 @@ from batcher.events import DropReason, final_event, write_final
 from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source
 from batcher.workers import Capacity, WorkerPool, blocks_needed
-from llmserve import fencing, keys, queue
+from llmserve import fencing, keys, queue, redis_client
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -40,7 +40,7 @@ _INBOX_COUNT = 50
 class ReclaimContext:
     """What the reclaimer needs of its model's batch loop (and nothing else of it)."""
 
-    redis: aioredis.Redis
+    redis: redis_client.AnyRedis
     scripts: Scripts
     settings: BatcherSettings
     model: str
@@ -48,7 +48,7 @@ class ReclaimContext:
     consumer: str
     streams: Mapping[int, str]                        # priority -> work stream
     pool: WorkerPool
-    max_wait_ms: int
+    max_wait_ms: float
     held_count: Callable[[int], int]                  # items held locally, by priority
     holds: Callable[[tuple[str, str]], bool]          # whether (stream, entry id) is held locally
     accept: Callable[[str, list, float], Awaitable[int]]  # queue claimed entries locally
@@ -79,10 +79,10 @@ class Reclaimer:
                 start, entries, _deleted = await ctx.redis.xautoclaim(
                     stream, keys.WORK_GROUP, ctx.consumer, ctx.settings.claim_idle_ms, start,
                     count=min(room, _CLAIM_COUNT))
-                fresh = [(i, f) for i, f in entries if f and not ctx.holds((stream, _text(i)))]
+                fresh = [(i, f) for i, f in entries if f and not ctx.holds((stream, redis_client.text(i)))]
                 claimed += await ctx.accept(stream, fresh, read_at)
                 room -= len(entries)
-                if _text(start) == "0-0":
+                if redis_client.text(start) == "0-0":
                     break
         if claimed:
             metrics.RECLAIMS.labels(ctx.model, "batcher").inc(claimed)
@@ -100,7 +100,7 @@ class Reclaimer:
         if not accepting and rehome_to is None:
             return  # nobody to hand batches to: leave them where they are
         for raw in await ctx.redis.smembers(keys.inboxes_set(ctx.model, ctx.shard)):
-            worker_id = _text(raw)
+            worker_id = redis_client.text(raw)
             if not ctx.pool.is_alive(worker_id, now):
                 await self._claim_inbox(worker_id)
         for key in list(self._prepared):
@@ -113,11 +113,11 @@ class Reclaimer:
         ctx = self.ctx
         inbox = keys.inbox_stream(ctx.model, worker_id, ctx.shard)
         try:
-            unread = await ctx.redis.xreadgroup(keys.INBOX_GROUP, ctx.consumer, {inbox: ">"},
-                                                  count=_INBOX_COUNT)
-            _, claimed, _ = await ctx.redis.xautoclaim(inbox, keys.INBOX_GROUP, ctx.consumer,
-                                                         ctx.settings.inbox_claim_idle_ms, "0-0",
-                                                         count=_INBOX_COUNT)
+            unread = cast(redis_client.StreamReply, await ctx.redis.xreadgroup(
+                keys.INBOX_GROUP, ctx.consumer, {inbox: ">"}, count=_INBOX_COUNT))
+            _, claimed, _ = cast(redis_client.AutoclaimReply, await ctx.redis.xautoclaim(
+                inbox, keys.INBOX_GROUP, ctx.consumer, ctx.settings.inbox_claim_idle_ms, "0-0",
+                count=_INBOX_COUNT))
         except ResponseError as exc:  # inbox or its group is gone: nothing to reclaim
             if "NOGROUP" not in str(exc):
                 raise
@@ -125,10 +125,10 @@ class Reclaimer:
             return
         for _, entries in unread or []:
             for entry_id, fields in entries:
-                self._prepare(inbox, _text(entry_id), fields, delivered=False)
+                self._prepare(inbox, redis_client.text(entry_id), fields, delivered=False)
         for entry_id, fields in claimed:
             if fields:
-                self._prepare(inbox, _text(entry_id), fields, delivered=True)
+                self._prepare(inbox, redis_client.text(entry_id), fields, delivered=True)
         if not unread and not claimed and (await ctx.redis.xpending(inbox, keys.INBOX_GROUP))["pending"] == 0:
             await ctx.redis.srem(keys.inboxes_set(ctx.model, ctx.shard), worker_id)  # fully drained
 
@@ -204,8 +204,3 @@ class Reclaimer:
             if cap.free_seqs >= len(items) and cap.free_blocks >= blocks:
                 return cap
         return None
-
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

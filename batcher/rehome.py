@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
-
-from llmserve import keys, queue
+from llmserve import keys, queue, redis_client
 from llmserve.v1 import queue_pb2
 
 
-async def move_items(redis: aioredis.Redis, model: str, target_shard: int,
+async def move_items(redis: redis_client.AnyRedis, model: str, target_shard: int,
                      items: Sequence[queue_pb2.WorkItem]) -> None:
     """Append `items` to the target cell's work streams (one round trip)."""
     pipe = redis.pipeline(transaction=False)

@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
-from llmserve import keys, queue
+from llmserve import keys, queue, redis_client
 
 # KEYS: [1] target inbox  [2] inboxes set  [3..] source streams
 # ARGV: [1] batch bytes ('' = only ack the sources)  [2] target worker id  [3] inbox group
@@ -94,14 +92,14 @@ class DispatchResult:
 class Scripts:
     """The batcher's Lua scripts, loaded once (`load()`) and run by EVALSHA, alone or in pipelines."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(self, redis: redis_client.AnyRedis) -> None:
         self.redis = redis
         self._sha: dict[str, str] = {}
 
     async def load(self) -> None:
         """(Re)load the scripts; needed after Redis lost its script cache (NOSCRIPT)."""
         for name, body in (("dispatch", _DISPATCH), ("touch", _TOUCH)):
-            self._sha[name] = _text(await self.redis.script_load(body))
+            self._sha[name] = redis_client.text(await self.redis.script_load(body))
 
     def add_dispatch(self, pipe, inbox: str, inboxes: str, worker_id: str, inbox_group: str, consumer: str,
                      sources: Sequence[Source], batch: bytes) -> None:
@@ -134,16 +132,12 @@ class Scripts:
         if not ids:
             return []
         reply = await self.redis.evalsha(self._sha["touch"], 1, stream, group, consumer, *ids)
-        return [_text(i) for i in reply]
+        return [redis_client.text(i) for i in reply]
 
 
 def dispatch_result(reply: list, sources: Sequence[Source]) -> DispatchResult:
     ok, payload = reply
     if ok:
-        return DispatchResult(True, _text(payload))
-    lost = tuple((sources[int(payload[i])].stream, _text(payload[i + 1])) for i in range(0, len(payload), 2))
+        return DispatchResult(True, redis_client.text(payload))
+    lost = tuple((sources[int(payload[i])].stream, redis_client.text(payload[i + 1])) for i in range(0, len(payload), 2))
     return DispatchResult(False, lost=lost)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -11,9 +11,10 @@ its supervisor to replace it. Started before Redis is reachable, it waits for it
 from __future__ import annotations
 
 import asyncio
+import functools
+from typing import cast
 
 import grpc
-import redis.asyncio as aioredis
 import structlog
 
 from batcher import metrics
@@ -39,7 +40,7 @@ class BatcherService:
 
     service_names: tuple[str, ...] = ()
 
-    def __init__(self, settings: BatcherSettings, redis: aioredis.Redis | None = None,
+    def __init__(self, settings: BatcherSettings, redis: redis_client.AnyRedis | None = None,
                  stop: asyncio.Event | None = None) -> None:
         self.settings = settings
         self.stop_event = stop
@@ -63,7 +64,7 @@ class BatcherService:
         for model in self.settings.model_list():
             for shard in range(self.settings.queue_shards):
                 batcher = ModelBatcher(self._redis, scripts, self.settings, model, self.consumer, shard,
-                                       rehome_to=lambda m=model, k=shard: self._live_sibling(m, k))
+                                       rehome_to=functools.partial(self._live_sibling, model, shard))
                 await batcher.ensure_groups()
                 self.cells.append(batcher)
                 with structlog.contextvars.bound_contextvars(model=model):  # the loop's log lines carry it
@@ -119,12 +120,12 @@ class BatcherService:
         metrics.HELD.labels(cell.model, shard).set(len(cell.queue))
         for priority, stream in cell.streams.items():
             label = keys.priority_name(priority)
-            metrics.QUEUE_DEPTH.labels(cell.model, label, shard).set(await self._redis.xlen(stream))
-            first = await self._redis.xrange(stream, "-", "+", count=1)
+            metrics.QUEUE_DEPTH.labels(cell.model, label, shard).set(await cell.redis.xlen(stream))
+            first = cast(redis_client.StreamEntries, await cell.redis.xrange(stream, "-", "+", count=1))
             metrics.QUEUE_AGE.labels(cell.model, label, shard).set(_age_s(first, now))
 
 
-def _age_s(first: list, now: int) -> float:
+def _age_s(first: redis_client.StreamEntries, now: int) -> float:
     """Seconds the stream's head entry (an XRANGE COUNT 1 reply) has waited; 0.0 when there is none,
     or when it does not decode (the batch loop drops it when it reads it)."""
     if not first:

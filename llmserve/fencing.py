@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
-
-from llmserve import keys, queue
+from llmserve import keys, queue, redis_client
 from llmserve.v1 import queue_pb2
 
 ISSUED, FENCE = "issued", "fence"
@@ -64,7 +62,7 @@ def epoch_key(item: queue_pb2.WorkItem) -> str:
     return keys.request_epoch(item.tenant, item.request_id)
 
 
-async def issue(redis: aioredis.Redis, items: Sequence[queue_pb2.WorkItem], ttl_s: int) -> None:
+async def issue(redis: redis_client.AnyRedis, items: Sequence[queue_pb2.WorkItem], ttl_s: int) -> None:
     """Give each item a new dispatch_epoch (one round trip for all)."""
     if not items:
         return
@@ -76,7 +74,7 @@ async def issue(redis: aioredis.Redis, items: Sequence[queue_pb2.WorkItem], ttl_
         item.dispatch_epoch = int(epoch)
 
 
-async def raise_fence(redis: aioredis.Redis, items: Sequence[queue_pb2.WorkItem], ttl_s: int) -> None:
+async def raise_fence(redis: redis_client.AnyRedis, items: Sequence[queue_pb2.WorkItem], ttl_s: int) -> None:
     """Refuse writes of older epochs of these (dispatched) items from now on."""
     if not items:
         return

@@ -13,11 +13,12 @@ from a `ServiceError`, `error_of` turns it back into the same class on the gatew
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-import redis.asyncio as aioredis
 from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
+from llmserve import redis_client
 from llmserve.clock import now_ms
 from llmserve.errors import (
     DeadlineExceeded,
@@ -41,11 +42,11 @@ class Undecodable(ValueError):
 
 
 # -- entries -------------------------------------------------------------------------------------------------
-def item_entry(item: queue_pb2.WorkItem) -> dict[str, bytes]:
+def item_entry(item: queue_pb2.WorkItem) -> dict[Any, Any]:   # typed for redis-py's xadd fields
     return {ITEM_FIELD: item.SerializeToString()}
 
 
-def batch_entry(batch: queue_pb2.Batch) -> dict[str, bytes]:
+def batch_entry(batch: queue_pb2.Batch) -> dict[Any, Any]:
     return {BATCH_FIELD: batch.SerializeToString()}
 
 
@@ -76,7 +77,7 @@ def decode_event(fields: Mapping) -> queue_pb2.TokenEvent:
 
 
 # -- groups and acks ------------------------------------------------------------------------------------------
-async def ensure_group(redis: aioredis.Redis, stream: str, group: str) -> None:
+async def ensure_group(redis: redis_client.AnyRedis, stream: str, group: str) -> None:
     """Create `group` on `stream` from its first entry (and the stream); an existing group is fine."""
     try:
         await redis.xgroup_create(stream, group, id="0", mkstream=True)

@@ -20,9 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
-
-from llmserve import keys
+from llmserve import keys, redis_client
 from llmserve.clock import now_ms
 from llmserve.seeded_pick import weighted_pick
 from llmserve.v1 import queue_pb2
@@ -31,7 +29,7 @@ from llmserve.v1 import queue_pb2
 LIVE_WITHIN_MS = 3000
 
 
-async def live_workers(redis: aioredis.Redis, model: str, shards: int,
+async def live_workers(redis: redis_client.AnyRedis, model: str, shards: int,
                        live_within_ms: int = LIVE_WITHIN_MS) -> list[int]:
     """Live, non-draining workers per cell (one pipelined round trip)."""
     pipe = redis.pipeline(transaction=False)
@@ -41,7 +39,7 @@ async def live_workers(redis: aioredis.Redis, model: str, shards: int,
     return [sum(_live(raw, stamp, live_within_ms) for raw in values) for values in await pipe.execute()]
 
 
-async def join(redis: aioredis.Redis, model: str, shards: int) -> int:
+async def join(redis: redis_client.AnyRedis, model: str, shards: int) -> int:
     """The cell a starting worker joins (one INCR and one read of every cell's heartbeats)."""
     if shards == 1:
         return 0
@@ -65,7 +63,7 @@ def cell_for_request(counts: Sequence[int], request_uid: str) -> int:
 class CellChooser:
     """The gateway's side: `cell_for_request` over live-worker counts read at most every `refresh_s`."""
 
-    def __init__(self, redis: aioredis.Redis, shards: int, refresh_s: float = 0.5) -> None:
+    def __init__(self, redis: redis_client.AnyRedis, shards: int, refresh_s: float = 0.5) -> None:
         self.redis, self.shards, self.refresh_s = redis, shards, refresh_s
         self._counts: dict[str, tuple[float, list[int]]] = {}
 

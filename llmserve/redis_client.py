@@ -52,6 +52,11 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
 )
 
 _PROBE_TIMEOUT_S = 2.0
+
+
+def text(value: bytes | str) -> str:
+    """A Redis reply value as text (replies are bytes unless decode_responses is on)."""
+    return value.decode() if isinstance(value, bytes) else value
 # XREAD / XREADGROUP option -> how many arguments it spans, before STREAMS
 _READ_OPTIONS = {"COUNT": 2, "BLOCK": 2, "NOACK": 1, "GROUP": 3}
 
@@ -219,3 +224,12 @@ class _StreamKeysParser(AsyncCommandsParser):
 
 def _word(arg) -> str:
     return (arg.decode() if isinstance(arg, bytes) else str(arg)).upper()
+
+
+# What `connect()` gives: a standalone or a cluster client; the services are written against both.
+AnyRedis = aioredis.Redis | ClusterClient
+
+# Reply shapes as the clients get them (RESP2, no decode_responses), to cast redis-py's reply unions to.
+StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+StreamReply = list[tuple[bytes, StreamEntries]] | None            # XREAD / XREADGROUP
+AutoclaimReply = tuple[bytes, StreamEntries, list[bytes]]         # XAUTOCLAIM: next id, entries, deleted ids

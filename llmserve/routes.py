@@ -20,6 +20,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.cluster import RedisCluster
 
+from llmserve import redis_client
 from llmserve.models_file import ModelsConfig, ModelsFileError, check_weights
 
 PREFIX = "llmserve:routes"
@@ -53,10 +54,6 @@ def catalog_fields(config: ModelsConfig) -> dict[Any, Any]:
     return {**{m: MODEL for m in config.ids}, **{a: ALIAS for a in config.aliases}}
 
 
-def _text(raw: bytes | str) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
 # -- sync side: `llmserve up` and `llmserve route` -----------------------------------------------------------
 def seed(client: redis.Redis | RedisCluster, config: ModelsConfig, overwrite: bool) -> None:
     """Register the config's ids and aliases, and write each alias's file weights."""
@@ -69,7 +66,7 @@ def seed(client: redis.Redis | RedisCluster, config: ModelsConfig, overwrite: bo
 
 def known(client: redis.Redis | RedisCluster) -> tuple[set[str], set[str]]:
     """(model ids, aliases) registered in Redis."""
-    raw = {_text(k): _text(v) for k, v in client.hgetall(CATALOG_KEY).items()}
+    raw = {redis_client.text(k): redis_client.text(v) for k, v in client.hgetall(CATALOG_KEY).items()}
     return {k for k, v in raw.items() if v == MODEL}, {k for k, v in raw.items() if v == ALIAS}
 
 

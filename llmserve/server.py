@@ -54,7 +54,8 @@ _PASS_THROUGH_CODES = frozenset({
 class Service(Protocol):
     """What `serve()` needs from a service."""
 
-    service_names: Sequence[str]  # full names, e.g. "llmserve.v1.Inference"
+    @property
+    def service_names(self) -> Sequence[str]: ...  # full names, e.g. "llmserve.v1.Inference"
 
     def add_to_server(self, server: grpc.aio.Server) -> None: ...
     async def start(self) -> None: ...   # background work; called before SERVING
