@@ -152,7 +152,7 @@ def build_gpt2(vocab: GGUFVocab) -> Tokenizer:
     if not vocab.merges:
         raise UnsupportedTokenizer("gpt2 tokenizer without tokenizer.ggml.merges")
     ids = {token: i for i, token in enumerate(vocab.tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    merges = [_merge_pair(m) for m in vocab.merges]
     tokenizer = Tokenizer(models.BPE(ids, merges, fuse_unk=False, byte_fallback=False, ignore_merges=False))
     if vocab.pre in NFC_PRES:
         tokenizer.normalizer = normalizers.NFC()
@@ -179,6 +179,14 @@ def spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[i
     return [(left, right) for *_, left, right in ranked]
 
 
+def _merge_pair(merge: str) -> tuple[str, str]:
+    """One `tokenizer.ggml.merges` entry ("left right") as the pair BPE merges."""
+    left, space, right = merge.partition(" ")
+    if not space:
+        raise UnsupportedTokenizer(f"merge {merge!r} is not two tokens")
+    return left, right
+
+
 def _gemma_respelled(vocab: GGUFVocab) -> GGUFVocab:
     """Gemma: its runs-of-spaces tokens as the "▁" runs the normalizer makes of the text, and merges
     ranked by token order (transformers' GGUF Gemma converter does the same)."""
@@ -188,10 +196,10 @@ def _gemma_respelled(vocab: GGUFVocab) -> GGUFVocab:
 
 def build_llama(vocab: GGUFVocab) -> Tokenizer:
     """SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Phi-3, Gemma, TinyLlama ...)."""
-    if vocab.scores is None:
-        raise UnsupportedTokenizer("llama tokenizer without tokenizer.ggml.scores")
     if vocab.architecture in GEMMA_ARCHS:
         vocab = _gemma_respelled(vocab)
+    if vocab.scores is None:
+        raise UnsupportedTokenizer("llama tokenizer without tokenizer.ggml.scores")
     ids = {token: i for i, token in enumerate(vocab.tokens)}
     merges = spm_merges(vocab.tokens, vocab.scores, vocab.token_types)
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None

@@ -67,13 +67,13 @@ class LiteralSpecials:
         self.ids = {t.content: i for i, t in added.items()}
         self.strips = {t.content: (t.lstrip, t.rstrip) for t in added.values()}
         longest_first = sorted(self.ids, key=len, reverse=True)
-        self.pattern = re.compile("|".join(re.escape(t) for t in longest_first)) if self.ids else None
+        self.pattern = re.compile("|".join(re.escape(t) for t in longest_first) if self.ids else "(?!)")  # (?!): none
         self.plain = Tokenizer.from_str(tokenizer.to_str())
         self.plain.encode_special_tokens = True   # "<|im_start|>" in text -> the characters it spells
 
     def contains(self, text: str) -> bool:
         """Whether `text` spells any special token."""
-        return self.pattern is not None and self.pattern.search(text) is not None
+        return self.pattern.search(text) is not None
 
     def encode_text(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text` with every special token in it encoded as plain text."""

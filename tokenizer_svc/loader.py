@@ -12,7 +12,7 @@ ModelTokenizer pickles as its JSON, so the service loads a model once and ships 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,7 +143,7 @@ def load_gguf(path: Path) -> ModelTokenizer:
     )
 
 
-def _gguf_named_tokens(fields: dict[str, Any], tokens: list[str]) -> dict[str, str]:
+def _gguf_named_tokens(fields: dict[str, Any], tokens: Sequence[str]) -> dict[str, str]:
     named = {}
     for name, key in _GGUF_NAMED_TOKENS.items():
         value = fields.get(key)
@@ -191,8 +191,9 @@ def _as_id_list(value: Any) -> list[int]:
 
 def _hf_eos_ids(tokenizer: Tokenizer, eos_token: str | None, *configs: dict[str, Any]) -> list[int]:
     ids: list[int] = []
-    if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
-        ids.append(tokenizer.token_to_id(eos_token))
+    eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
+    if eos_id is not None:
+        ids.append(eos_id)
     for config in configs:
         ids += [i for i in _as_id_list(config.get("eos_token_id")) if i not in ids]
     return ids
@@ -215,8 +216,9 @@ def load_hf_dir(directory: Path) -> ModelTokenizer:
     model_config = _read_json(directory / "config.json")
     generation = _read_json(directory / "generation_config.json")
     eos_token = _token_content(tok_config.get("eos_token"))
-    extra = {name: _token_content(tok_config[name]) for name in ("unk_token", "pad_token", "sep_token",
-                                                                 "cls_token", "mask_token") if tok_config.get(name)}
+    named = {name: _token_content(tok_config.get(name)) for name in ("unk_token", "pad_token", "sep_token",
+                                                                     "cls_token", "mask_token")}
+    extra = {name: content for name, content in named.items() if content}
     return ModelTokenizer(
         tokenizer=tokenizer,
         chat_template=_hf_chat_template(directory, tok_config),

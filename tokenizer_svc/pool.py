@@ -177,10 +177,10 @@ class Pool:
             for job in backlog:
                 self._dispatch(job)
             return
-        job = worker.finish(message.job_id)
-        if job is not None:
+        finished = worker.finish(message.job_id)
+        if finished is not None:
             _record_cache(message)
-            _deliver(job, message)
+            _deliver(finished, message)
 
     async def _on_exit(self, worker: PoolWorker) -> None:
         worker.ready = False
@@ -272,7 +272,7 @@ def _deliver(job: Job, result: protocol.Result) -> None:
         job.future.set_exception(RuntimeError(f"pool process failed on {job.op}: {message}"))
 
 
-def _fail(jobs: list[Job | None], exc: Exception) -> None:
+def _fail(jobs: list[Job], exc: Exception) -> None:
     for job in jobs:
-        if job is not None and not job.future.done():
+        if not job.future.done():
             job.future.set_exception(exc)

@@ -51,17 +51,17 @@ class SegmentEncoder:
         self.token_ids = {t.content: i for i, t in model.tokenizer.get_added_tokens_decoder().items()}
         self.cache: LRUCache[list[int]] = LRUCache(max_bytes)
         self.lock = threading.Lock()  # both lanes of a pool process share the cache
-        self.enabled = max_bytes > 0 and self.pattern is not None and self._exact()
+        self.enabled = max_bytes > 0 and self._exact()
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a rendered prompt, identical to model.encode(prompt)."""
-        if not self.enabled:
+        if not self.enabled or self.pattern is None:
             return self.model.encode(prompt)
-        return self._encode_segments(prompt)
+        return self._encode_segments(prompt, self.pattern)
 
-    def _encode_segments(self, prompt: str) -> list[int]:
+    def _encode_segments(self, prompt: str, pattern: re.Pattern[str]) -> list[int]:
         ids: list[int] = []
-        pieces = self.pattern.split(prompt)  # text, special, text, special, ..., text
+        pieces = pattern.split(prompt)  # text, special, text, special, ..., text
         for index, piece in enumerate(pieces):
             if index % 2:
                 ids.append(self.token_ids[piece])
@@ -79,12 +79,14 @@ class SegmentEncoder:
         return cached
 
     def _exact(self) -> bool:
+        if self.pattern is None:
+            return False
         for messages in _PROBES:
             try:
                 prompt = self.model.render_chat(messages, add_generation_prompt=True)
             except ValueError:
                 return False
-            if self._encode_segments(prompt) != self.model.encode(prompt):
+            if self._encode_segments(prompt, self.pattern) != self.model.encode(prompt):
                 return False
         self.cache.clear()
         self.cache.hits = self.cache.misses = 0

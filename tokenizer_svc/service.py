@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from llmserve import model_store
-from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound
+from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc
 from tokenizer_svc import metrics
@@ -114,7 +114,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         model = self._model(request.model)
         op = decode_op(request, self.limits, self.models[model].vocab_size)
         started = time.perf_counter()
-        text = await self.pool.submit(op.name, model, op.args, op.cost, deadline)
+        text = await self._pool().submit(op.name, model, op.args, op.cost, deadline)
         metrics.REQUEST_LATENCY.labels(model=model, op=op.name).observe(time.perf_counter() - started)
         return pb.DecodeResponse(text=text)
 
@@ -132,6 +132,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             raise NotFound(f"model {name!r} is not served here; served: {', '.join(self.models)}")
         return name
 
+    def _pool(self) -> Pool:
+        if self.pool is None:   # a call that beat start()
+            raise Unavailable("tokenizer pool is starting")
+        return self.pool
+
     def _deadline(self, context: grpc.aio.ServicerContext) -> float:
         """Absolute time.monotonic() deadline: the caller's, capped by request_timeout_s."""
         left = context.time_remaining()
@@ -147,7 +152,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         ids = self._cached(key)
         if ids is None:
             try:
-                ids = await self.pool.submit(op.name, model, op.args, op.cost, deadline)
+                ids = await self._pool().submit(op.name, model, op.args, op.cost, deadline)
             except InvalidArgument as exc:  # the chat template refused the messages
                 raise (_field_error(prefix, exc) if prefix else exc) from None
             self._remember(key, ids, op.cost)
