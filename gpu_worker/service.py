@@ -23,7 +23,6 @@ import asyncio
 import time
 
 import grpc
-import redis.asyncio as aioredis
 import structlog
 import torch
 
@@ -40,11 +39,12 @@ from gpu_worker.model.loader import load_model
 from gpu_worker.ops import select_device
 from gpu_worker.worker_loop import WorkerLoop
 from llmserve import model_store, queue_cells
-from llmserve.redis_client import UNAVAILABLE_ERRORS, ClusterClient, connect_when_up
+from llmserve.redis_client import UNAVAILABLE_ERRORS, AnyRedis, connect_when_up
 from llmserve.tasks import TaskSupervisor
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = structlog.get_logger(__name__)
+_HEARTBEAT_REMOVE_ERRORS: tuple[type[Exception], ...] = (TimeoutError, *UNAVAILABLE_ERRORS)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_BLOCKS = 4
 
@@ -68,11 +68,11 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)
     if device == "cuda" and settings.graph_batch_sizes():
         engine.capture_decode_graphs(settings.graph_batch_sizes())
-        if engine.decode_graphs.disabled_reason is None:
+        reason = engine.decode_graphs.disabled_reason if engine.decode_graphs else "not captured"
+        if reason is None:
             logger.info("decode steps captured in CUDA graphs", batch_sizes=settings.graph_batch_sizes())
         else:
-            logger.warning("decode steps run eagerly, without CUDA graphs",
-                           reason=engine.decode_graphs.disabled_reason)
+            logger.warning("decode steps run eagerly, without CUDA graphs", reason=reason)
     return engine
 
 
@@ -99,7 +99,7 @@ class WorkerService:
         self.stop_event = stop
         self.worker_id = settings.resolved_worker_id()
         self.model_id = model_store.model_id(settings.model)
-        self.redis: aioredis.Redis | ClusterClient | None = None
+        self.redis: AnyRedis | None = None
         self.engine: LLMEngine | None = None
         self.loop: WorkerLoop | None = None
         self.heartbeat: Heartbeat | None = None
@@ -113,25 +113,25 @@ class WorkerService:
         worker_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
 
     async def start(self) -> None:
-        self.redis = await connect_when_up(self.settings.redis_url, self.settings.redis_password,
-                                           wait_s=self.settings.redis_wait_s, socket_timeout=5.0)
+        redis = self.redis = await connect_when_up(self.settings.redis_url, self.settings.redis_password,
+                                                   wait_s=self.settings.redis_wait_s, socket_timeout=5.0)
         logger.info("loading model", model=self.settings.model, worker_id=self.worker_id)
-        self.engine = await asyncio.to_thread(build_engine, self.settings)
+        engine = self.engine = await asyncio.to_thread(build_engine, self.settings)
         if self.settings.warmup:
-            await asyncio.to_thread(warm_up, self.engine)
-        self.shard = await queue_cells.join(self.redis, self.model_id, self.settings.queue_shards)
-        self.loop = WorkerLoop(self.engine, self.redis, self.model_id, self.worker_id,
-                               self.settings.events_ttl_s, self.settings.max_inbox_batches, self.shard,
-                               step_timeout_s=self.settings.step_timeout_s)
-        self.heartbeat = Heartbeat(
-            self.redis, self.model_id, self.worker_id, self.settings.admin_address(),
+            await asyncio.to_thread(warm_up, engine)
+        self.shard = await queue_cells.join(redis, self.model_id, self.settings.queue_shards)
+        loop = self.loop = WorkerLoop(engine, redis, self.model_id, self.worker_id,
+                                      self.settings.events_ttl_s, self.settings.max_inbox_batches, self.shard,
+                                      step_timeout_s=self.settings.step_timeout_s)
+        heartbeat = self.heartbeat = Heartbeat(
+            redis, self.model_id, self.worker_id, self.settings.admin_address(),
             self.settings.heartbeat_s, self.settings.block_size, self.settings.max_running,
-            snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining, shard=self.shard,
+            snapshot=lambda: loop.snapshot, draining=lambda: self.draining, shard=self.shard,
             give_up_s=self.settings.heartbeat_give_up_s)
-        self.tasks.start("engine-loop", self.loop.run())
-        self.tasks.start("heartbeat", self.heartbeat.run())
+        self.tasks.start("engine-loop", loop.run())
+        self.tasks.start("heartbeat", heartbeat.run())
         logger.info("worker ready", worker_id=self.worker_id, model=self.model_id, queue_shard=self.shard,
-                    step_thread=self.loop.step_thread.native_id)
+                    step_thread=loop.step_thread.native_id)
 
     def _fail(self, exc: BaseException) -> None:
         """A task died (logged by the supervisor): serve() goes NOT_SERVING and exits 1 after close()."""
@@ -143,8 +143,9 @@ class WorkerService:
     def request_drain(self, timeout_s: float | None) -> None:
         """Drain in the background (Drain RPC); the serve loop stops when it is done."""
         task = self._ensure_drain(timeout_s)
-        if self.stop_event is not None:
-            task.add_done_callback(lambda _t: self.stop_event.set())
+        stop = self.stop_event
+        if stop is not None:
+            task.add_done_callback(lambda _t: stop.set())
 
     async def drain(self) -> None:
         await asyncio.shield(self._ensure_drain(None))
@@ -157,33 +158,34 @@ class WorkerService:
 
     async def _drain(self, timeout_s: float) -> None:
         self.draining = True
-        if self.loop is None:           # stopped before it ever started
+        loop, heartbeat, redis = self.loop, self.heartbeat, self.redis
+        if loop is None or heartbeat is None or redis is None:           # stopped before it ever started
             return
-        logger.info("draining", timeout_s=timeout_s, running=self.loop.snapshot.running)
-        self.loop.accepting = False
+        logger.info("draining", timeout_s=timeout_s, running=loop.snapshot.running)
+        loop.accepting = False
         try:
-            await self.heartbeat.beat()
+            await heartbeat.beat()
         except UNAVAILABLE_ERRORS as exc:
             logger.warning("could not announce the drain", error=repr(exc))
         deadline = time.monotonic() + timeout_s
-        while self.loop.busy and time.monotonic() < deadline:
+        while loop.busy and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.tasks.stopping = True
-        self.loop.stop()
+        loop.stop()
         if "engine-loop" in self.tasks:         # not when it died before the drain (then close() follows)
             await self.tasks["engine-loop"]
-        await self._hand_back_rest()
+        await self._hand_back_rest(loop, redis)
         await self.tasks.cancel("heartbeat")     # no heartbeat write may land after the HDEL
-        await self._remove_heartbeat()
+        await _remove_heartbeat(heartbeat)
         logger.info("drained")
 
-    async def _hand_back_rest(self) -> None:
+    async def _hand_back_rest(self, loop: WorkerLoop, redis: AnyRedis) -> None:
         for attempt in range(20):
             try:
-                await self.loop.flush()
-                unread = await self.loop.read_unread_inbox()
-                items, entries = self.loop.items_to_hand_back(unread)
-                await hand_back(self.redis, self.model_id, self.worker_id, items, entries, self.shard)
+                await loop.flush()
+                unread = await loop.read_unread_inbox()
+                items, entries = loop.items_to_hand_back(unread)
+                await hand_back(redis, self.model_id, self.worker_id, items, entries, self.shard)
                 metrics.HANDED_BACK.inc(len(items))
                 logger.info("handed back", items=len(items), entries=len(entries),
                             request_ids=[i.request_id for i in items])
@@ -192,12 +194,6 @@ class WorkerService:
                 logger.warning("handoff failed; retrying", attempt=attempt, error=repr(exc))
                 await asyncio.sleep(0.5)
         logger.error("handoff gave up; the batcher will reclaim the inbox entries")
-
-    async def _remove_heartbeat(self) -> None:
-        try:
-            await asyncio.wait_for(self.heartbeat.remove(), 5.0)
-        except (TimeoutError, *UNAVAILABLE_ERRORS) as exc:
-            logger.warning("could not delete the heartbeat; it expires by itself", error=repr(exc))
 
     # --- stats / close -----------------------------------------------------------------------
     def stats(self) -> worker_pb2.WorkerStats:
@@ -215,8 +211,16 @@ class WorkerService:
         """Stop the tasks; after a failure also delete the heartbeat, and leave a hung step behind."""
         await self.tasks.cancel_all()
         if self.failure is not None and self.heartbeat is not None:
-            await self._remove_heartbeat()
+            await _remove_heartbeat(self.heartbeat)
         if self.loop:
             self.loop.close(wait=self.failure is None)
         if self.redis is not None:
             await self.redis.aclose()
+
+
+async def _remove_heartbeat(heartbeat: Heartbeat) -> None:
+    try:
+        await asyncio.wait_for(heartbeat.remove(), 5.0)
+    except _HEARTBEAT_REMOVE_ERRORS as exc:
+        logger.warning("could not delete the heartbeat; it expires by itself", error=repr(exc))
+
