@@ -37,7 +37,7 @@ logger = structlog.get_logger(__name__)
 GB = 1e9
 MIN_PROBE_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
 MAX_PROBE_BYTES = 2**30
-PROBE_REPEATS = 5
+PROBE_REPEATS = 10
 _CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
 

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 STEP_BYTES = "llmserve_worker_step_bytes_total"
 STEP_SECONDS = "llmserve_worker_step_seconds_sum"
+STEPS = "llmserve_worker_step_seconds_count"
 PROBE_GBPS = "llmserve_worker_probe_bandwidth_gbps"
 SCRAPE_TIMEOUT_S = 5.0
 WORKER_PORT_FILES = "gpu_worker-*.metrics.port"  # what llmserve.stack writes beside each worker's log
@@ -32,17 +33,18 @@ class WorkerSample:
     url: str
     step_bytes: float
     step_seconds: float
+    steps: float
     probe_gbps: float
 
 
 def parse(url: str, text: str) -> WorkerSample:
     """The roofline samples of one metrics page (0.0 for any it lacks)."""
-    values = {name: 0.0 for name in (STEP_BYTES, STEP_SECONDS, PROBE_GBPS)}
+    values = {name: 0.0 for name in (STEP_BYTES, STEP_SECONDS, STEPS, PROBE_GBPS)}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in values:
                 values[sample.name] += sample.value
-    return WorkerSample(url, values[STEP_BYTES], values[STEP_SECONDS], values[PROBE_GBPS])
+    return WorkerSample(url, values[STEP_BYTES], values[STEP_SECONDS], values[STEPS], values[PROBE_GBPS])
 
 
 def scrape(urls: list[str]) -> list[WorkerSample]:
@@ -71,7 +73,7 @@ def metrics_urls(spec: str, log_dir: Path) -> list[str]:
 def bandwidth(before: list[WorkerSample], after: list[WorkerSample]) -> dict | None:
     """The level's achieved GB/s, probe GB/s and fraction over the workers seen in both scrapes (None: none ran)."""
     start = {s.url: s for s in before}
-    read_bytes = seconds = achieved = probe = 0.0
+    read_bytes = seconds = steps = achieved = probe = 0.0
     workers = 0
     for end in after:
         begin = start.get(end.url)
@@ -79,9 +81,10 @@ def bandwidth(before: list[WorkerSample], after: list[WorkerSample]) -> dict | N
             continue
         delta_bytes, delta_s = end.step_bytes - begin.step_bytes, end.step_seconds - begin.step_seconds
         read_bytes, seconds, workers = read_bytes + delta_bytes, seconds + delta_s, workers + 1
+        steps += end.steps - begin.steps
         achieved += delta_bytes / delta_s / 1e9
         probe += end.probe_gbps
     if not workers:
         return None
-    return {"workers": workers, "step_bytes": read_bytes, "step_seconds": seconds, "achieved_gbps": achieved,
-            "probe_gbps": probe, "fraction": achieved / probe if probe > 0 else None}
+    return {"workers": workers, "steps": steps, "step_bytes": read_bytes, "step_seconds": seconds,
+            "achieved_gbps": achieved, "probe_gbps": probe, "fraction": achieved / probe if probe > 0 else None}

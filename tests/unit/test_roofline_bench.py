@@ -47,7 +47,7 @@ def test_a_level_reads_the_bytes_over_the_busy_seconds_of_each_worker(workers):
     a.step(2e9, 0.5)                                     # a: 6 GB in 1 s
     b.step(1e9, 0.25)                                    # b: 4 GB/s
     level = roofline.bandwidth(before, roofline.scrape(urls))
-    assert level == {"workers": 2, "step_bytes": 7e9, "step_seconds": 1.25, "achieved_gbps": pytest.approx(10.0),
+    assert level == {"workers": 2, "steps": 3, "step_bytes": 7e9, "step_seconds": 1.25, "achieved_gbps": pytest.approx(10.0),
                      "probe_gbps": 30.0, "fraction": pytest.approx(10.0 / 30.0)}
 
 
@@ -55,7 +55,7 @@ def test_a_worker_without_steps_or_restarted_is_left_out(workers):
     a, b = workers
     before = roofline.scrape([a.url, b.url])
     assert roofline.bandwidth(before, roofline.scrape([a.url, b.url])) is None
-    restarted = roofline.WorkerSample(a.url, 0.0, 0.0, 20.0)
+    restarted = roofline.WorkerSample(a.url, 0.0, 0.0, 0.0, 20.0)
     assert roofline.bandwidth(before, [restarted]) is None
 
 
