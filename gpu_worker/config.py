@@ -41,6 +41,8 @@ class WorkerSettings(CommonSettings):
     drain_timeout_s: float = setting(30.0, "seconds running sequences may finish on drain before handoff")
     max_inbox_batches: int = setting(4, "inbox entries read per poll")
     warmup: bool = setting(True, "run one forward before reporting SERVING")
+    bandwidth_probe: bool = setting(True, "measure memory bandwidth at start (well under a second), the "
+                                          "reference of the roofline meter's fractions (gpu_worker/roofline.py)")
     torch_threads: int = setting(0, "CPU threads for torch ops (0 = torch's default)")
     cuda_graph_batch_sizes: str = setting("1,2,4,8,16,32,64",
                                           "decode batch sizes captured in CUDA graphs on cuda ('' = off)")

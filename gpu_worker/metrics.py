@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # the metrics stay importable without torch (tests/unit/test_deploy.py)
+    from gpu_worker.roofline import RooflineStats
 
 RUNNING = Gauge("llmserve_worker_running_sequences", "sequences in the running batch")
 WAITING = Gauge("llmserve_worker_waiting_sequences", "sequences waiting for admission")
@@ -20,3 +25,22 @@ HANDED_BACK = Counter("llmserve_worker_handed_back_total", "sequences handed bac
 INBOX_DROPPED = Counter("llmserve_worker_inbox_dropped_total", "undecodable inbox entries acknowledged and dropped")
 FENCED = Counter("llmserve_worker_fenced_total",
                  "sequences stopped because their request was dispatched again elsewhere (stale fencing token)")
+
+# The roofline meter (gpu_worker/roofline.py): bytes a step had to read (weights in their stored format
+# plus the KV it attended over) against its wall time and the bandwidth probed at start.
+# Average bandwidth over a window: rate(llmserve_worker_step_bytes_total) / rate(llmserve_worker_step_seconds_sum).
+PROBE_GBPS = Gauge("llmserve_worker_probe_bandwidth_gbps",
+                   "memory bandwidth probed at start, GB/s (CPU: reads; CUDA: device-to-device copy)")
+STEP_BYTES = Counter("llmserve_worker_step_bytes", "bytes engine steps had to read: weights + KV attended over")
+ACHIEVED_GBPS = Gauge("llmserve_worker_achieved_bandwidth_gbps", "last step's bytes read over its wall time, GB/s")
+BANDWIDTH_FRACTION = Gauge("llmserve_worker_bandwidth_fraction", "last step's achieved bandwidth over the probe's")
+STEP_GBPS = Histogram("llmserve_worker_step_bandwidth_gbps", "achieved bandwidth per engine step, GB/s",
+                      buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000))
+
+
+def observe_roofline(stats: RooflineStats) -> None:
+    """Export one step's roofline figures (after the step)."""
+    STEP_BYTES.inc(stats.last_step_bytes)
+    ACHIEVED_GBPS.set(stats.achieved_gbps)
+    BANDWIDTH_FRACTION.set(stats.fraction)
+    STEP_GBPS.observe(stats.achieved_gbps)

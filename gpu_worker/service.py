@@ -66,6 +66,8 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
     engine = LLMEngine.create(model, config, constraints=load_constraints(settings.model, model.config.vocab_size))
     logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)
+    if settings.bandwidth_probe:
+        metrics.PROBE_GBPS.set(engine.probe_bandwidth().gbps)
     if device == "cuda" and settings.graph_batch_sizes():
         engine.capture_decode_graphs(settings.graph_batch_sizes())
         reason = engine.decode_graphs.disabled_reason if engine.decode_graphs else "not captured"

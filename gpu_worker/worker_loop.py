@@ -177,7 +177,9 @@ class WorkerLoop:
         elapsed = time.perf_counter() - start
         new_tokens = sum(len(o.new_token_ids) for o in outputs)
         metrics.STEP_SECONDS.observe(elapsed)
-        metrics.BATCH_TOKENS.observe(self.engine.stats().last_batch_tokens)
+        stats = self.engine.stats()
+        metrics.BATCH_TOKENS.observe(stats.last_batch_tokens)
+        metrics.observe_roofline(stats.roofline)
         metrics.GENERATED.inc(new_tokens)
         metrics.TOKENS_PER_S.set(new_tokens / elapsed if elapsed > 0 else 0.0)
         return outputs

@@ -7,7 +7,8 @@
 # Installs nothing and needs no network. Run from the repo root on a machine with one GPU:
 #   OUT=/some/dir scripts/gpu_check.sh
 # Budget: under 10 minutes on one H200: GPU tests capped at 270 s (incl. NVRTC compiles), CPU-executed
-# kernels at 150 s (g++ builds in parallel; skipped with the reason where g++ is missing), bench at 180 s.
+# kernels at 150 s (g++ builds in parallel; skipped with the reason where g++ is missing), bench at 180 s,
+# the roofline probe at 60 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -34,5 +35,12 @@ cpu_rc=${PIPESTATUS[0]}
 timeout 180 "$PY" bench/kernels.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "== tests rc=$tests_rc cpu-kernel tests rc=$cpu_rc bench rc=$bench_rc" | tee -a "$OUT/env.log"
-exit $(( tests_rc != 0 || cpu_rc != 0 || bench_rc != 0 ))
+# The roofline meter's probe (gpu_worker/roofline.py): device-to-device copy bandwidth, the reference of a
+# CUDA worker's llmserve_worker_bandwidth_fraction (tests/gpu/test_roofline_gpu.py checks it too).
+timeout 60 "$PY" -c "from gpu_worker.roofline import probe_bandwidth; print(probe_bandwidth('cuda'))" 2>&1 \
+  | tee "$OUT/roofline_probe.log"
+probe_rc=${PIPESTATUS[0]}
+
+echo "== tests rc=$tests_rc cpu-kernel tests rc=$cpu_rc bench rc=$bench_rc roofline probe rc=$probe_rc" \
+  | tee -a "$OUT/env.log"
+exit $(( tests_rc != 0 || cpu_rc != 0 || bench_rc != 0 || probe_rc != 0 ))

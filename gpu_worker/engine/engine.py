@@ -19,6 +19,7 @@ from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOut
 from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, Failure, SamplingParams, Sequence
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
+from gpu_worker.roofline import BandwidthProbe, RooflineMeter, RooflineStats, probe_bandwidth
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 from gpu_worker.runner.model_runner import ModelRunner
 
@@ -80,6 +81,7 @@ class LLMEngine:
         self.constraints = constraints
         self.sampler = Sampler(constraints)
         self.counters = EngineCounters()
+        self.roofline = RooflineMeter.for_model(model, kv_cache)
 
     @classmethod
     def create(cls, model: LlamaModel, config: EngineConfig, dtype: torch.dtype | None = None,
@@ -153,10 +155,13 @@ class LLMEngine:
         if plan.is_empty:
             return outputs
         logits = self._forward(plan)                                  # [num_seqs, vocab]
+        read = self.roofline.step_bytes((item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_tokens)
+                                        for item in plan.scheduled)  # the spans before _advance moves them
         outputs += self._advance(plan, logits)
         self.counters.steps += 1
         self.counters.last_batch_tokens = plan.num_tokens
         self.counters.last_step_s = time.perf_counter() - start
+        self.roofline.record(read, self.counters.last_step_s)
         return outputs
 
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
@@ -234,6 +239,7 @@ class LLMEngine:
             last_batch_tokens=self.counters.last_batch_tokens, preemptions=self.scheduler.num_preemptions,
             prefix_hit_rate=bm.stats.hit_rate,
             cached_prefix_hashes=tuple(bm.cached_hashes(prefix_hashes)) if prefix_hashes else (),
+            roofline=self.roofline.stats,
         )
 
     def reset_stats(self) -> None:
@@ -242,6 +248,14 @@ class LLMEngine:
         self.block_manager.stats.queried_tokens = self.block_manager.stats.hit_tokens = 0
         self.counters = EngineCounters()
         self.scheduler.num_preemptions = 0
+        self.roofline.reset()
+
+    def probe_bandwidth(self) -> BandwidthProbe:
+        """Measure the memory bandwidth of the engine's device (logged); the roofline meter's fractions
+        are of it from now on. Takes well under a second (gpu_worker/roofline.py)."""
+        probe = probe_bandwidth(self.kv_cache.k_caches[0].device)
+        self.roofline.set_probe(probe)
+        return probe
 
     def prepare(self, seq: Sequence) -> None:
         """Compile `seq`'s grammar and give it its matcher before `add`, which then has nothing
@@ -270,3 +284,4 @@ class EngineStats:
     preemptions: int
     prefix_hit_rate: float
     cached_prefix_hashes: tuple[int, ...] = ()
+    roofline: RooflineStats = RooflineStats()  # bytes the steps read against their time and the probe

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from llmserve.loadgen import report
+from llmserve.cli import STATE_DIR
+from llmserve.loadgen import report, roofline
 from llmserve.loadgen.runner import RunSettings, run_closed, run_open
 from llmserve.loadgen.stats import RequestResult, summarize
 from llmserve.loadgen.workload import DistError, WorkloadConfig, build_workload, parse_dist, poisson_arrivals
@@ -61,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--tls", action="store_true", help="connect with TLS")
     p.add_argument("--root-cert", default="", help="PEM root certificate for --tls")
+    p.add_argument("--worker-metrics", default="auto",
+                   help="workers' Prometheus endpoints for the roofline columns (achieved GB/s, fraction of the "
+                        "probe): comma list of HOST:PORT or URLs, 'auto' (those `llmserve up` started from this "
+                        "directory) or 'none'")
     return p
 
 
@@ -97,13 +102,16 @@ async def _run_level(args: argparse.Namespace, mode: str, load: float, index: in
         bar.update(1)
         bar.set_postfix(errors=errors, refresh=False)
 
+    urls = roofline.metrics_urls(args.worker_metrics, STATE_DIR / "logs")
+    before = await asyncio.to_thread(roofline.scrape, urls)
     if mode == "closed":
         results, wall = await run_closed(specs, int(load), settings, progress)
     else:
         arrivals = poisson_arrivals(load, len(specs), random.Random(seed))
         results, wall = await run_open(specs, arrivals, settings, progress)
     bar.close()
-    return {"load": load, "label": label, "summary": summarize(results, wall)}
+    return {"load": load, "label": label, "summary": summarize(results, wall),
+            "roofline": roofline.bandwidth(before, await asyncio.to_thread(roofline.scrape, urls))}
 
 
 def _report(args: argparse.Namespace, mode: str, levels: list[dict]) -> dict:
@@ -113,7 +121,8 @@ def _report(args: argparse.Namespace, mode: str, levels: list[dict]) -> dict:
         "config": {"target": args.target, "tenants": len(args.api_keys or [None]), "requests": args.requests,
                    "warmup": args.warmup, "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "model": args.model, "temperature": args.temperature,
-                   "chat": args.chat, "seed": args.seed, "timeout_s": args.timeout},
+                   "chat": args.chat, "seed": args.seed, "timeout_s": args.timeout,
+                   "worker_metrics": args.worker_metrics},
         "levels": levels,
     }
 

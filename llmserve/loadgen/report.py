@@ -6,9 +6,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-# (header, decimals or None for text); latencies in seconds.
+# (header, decimals or None for text); latencies in seconds; GB/s and "of-probe": the workers' roofline
+# meter over the level (llmserve/loadgen/roofline.py), "-" where no worker metrics were scraped.
 COLUMNS = (
-    ("load", None), ("ok/req", None), ("req/s", 2), ("tok/s", 1), ("ttft p50", 3), ("ttft p99", 3),
+    ("load", None), ("ok/req", None), ("req/s", 2), ("tok/s", 1), ("GB/s", 2), ("of-probe", 2),
+    ("ttft p50", 3), ("ttft p99", 3),
     ("itl p50", 4), ("itl p99", 4), ("e2e p50", 3), ("e2e p90", 3), ("e2e p99", 3), ("errors", None),
 )
 
@@ -16,8 +18,10 @@ COLUMNS = (
 def _row(level: dict) -> list:
     s = level["summary"]
     errors = {c: n for c, n in s["codes"].items() if c != "OK"}
+    meter = level.get("roofline") or {}
     return [level["label"], f"{s['ok']}/{s['requests']}", s["throughput"]["requests_per_s"],
-            s["throughput"]["output_tokens_per_s"], s["ttft_s"]["p50"], s["ttft_s"]["p99"],
+            s["throughput"]["output_tokens_per_s"], meter.get("achieved_gbps"), meter.get("fraction"),
+            s["ttft_s"]["p50"], s["ttft_s"]["p99"],
             s["inter_token_s"]["p50"], s["inter_token_s"]["p99"], s["e2e_s"]["p50"], s["e2e_s"]["p90"],
             s["e2e_s"]["p99"], ",".join(f"{c}={n}" for c, n in errors.items()) or "-"]
 
