@@ -288,7 +288,7 @@ async def serve(service: Service, settings: CommonSettings, name: str,
     """
     stop = stop or asyncio.Event()
     _install_stop_signals(stop)
-    tracing.configure(name, os.environ)   # off unless OTEL_TRACES_EXPORTER says otherwise
+    tracing.configure(name)   # off unless OTEL_TRACES_EXPORTER says otherwise
     if settings.metrics_port:
         metrics, _ = prometheus_client.start_http_server(max(settings.metrics_port, 0), addr=settings.host)
         settings.metrics_port = metrics.server_port

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -72,16 +73,18 @@ class TracingConfigError(ValueError):
 
 
 # -- setup ----------------------------------------------------------------------------------------------------
-def configure(service: str, environ: Mapping[str, str]) -> None:
-    """Start exporting this process's spans when the environment turns tracing on.
+def configure(service: str) -> None:
+    """Start exporting this process's spans when its environment turns tracing on. The one place
+    llmserve reads OTEL_*: the SDK and the exporter read the rest of them (endpoint, headers,
+    sampler, timeouts) from the same process environment, so it is read here, not passed in.
 
     Args:
         service: the default `service.name` (OTEL_SERVICE_NAME overrides it).
-        environ: the process environment (the only place OTEL_* is read by llmserve).
     Raises:
         TracingConfigError: an unknown exporter or protocol.
     """
     global _tracer, _provider
+    environ = os.environ
     exporter_name = environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
     if environ.get("OTEL_SDK_DISABLED", "").lower() == "true" or exporter_name in ("", "none"):
         return
