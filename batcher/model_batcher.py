@@ -33,7 +33,7 @@ from batcher.reclaimer import ReclaimContext, Reclaimer
 from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
-from llmserve import fencing, keys, queue, redis_client
+from llmserve import fencing, keys, queue, redis_client, tracing
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -280,10 +280,11 @@ class ModelBatcher:
                 self.queue.extend(batch)
             raise
         sent: list[queue_pb2.WorkItem] = []
-        for (_cap, batch), reply in zip(plans, replies):
+        for (cap, batch), reply in zip(plans, replies):
             result = dispatch_result(reply, _sources(batch))
             if result.ok:
                 self._record(batch)
+                _trace(batch, cap.worker_id)
                 sent += [h.item for h in batch]
             else:  # some entries are no longer ours: forget those, retry the rest
                 lost = set(result.lost)
@@ -382,6 +383,14 @@ class ModelBatcher:
                 if lost:
                     gone = self.queue.remove_if(_is_among(stream, lost))
                     metrics.CONFLICTS.labels(self.model).inc(len(gone))
+
+
+def _trace(batch: list[Held], worker_id: str) -> None:
+    """A `batch` span per item, from when this replica read it to its dispatch to `worker_id`."""
+    if tracing.enabled():
+        wall_offset = time.time() - time.monotonic()
+        tracing.record_dispatch("batch", [(h.item, h.read_at + wall_offset) for h in batch], worker_id,
+                                {"llmserve.batch.size": len(batch)})
 
 
 def _sources(batch: list[Held]) -> list[Source]:

@@ -26,7 +26,7 @@ from batcher.events import DropReason, final_event, write_final
 from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source
 from batcher.workers import Capacity, WorkerPool, blocks_needed
-from llmserve import fencing, keys, queue, redis_client
+from llmserve import fencing, keys, queue, redis_client, tracing
 from llmserve.clock import now_ms
 from llmserve.v1 import queue_pb2
 
@@ -171,6 +171,8 @@ class Reclaimer:
             blocks = sum(blocks_needed(i, cap.block_size, ctx.settings.decode_reserve) for i in items)
             ctx.pool.reserve(cap.worker_id, blocks, len(items), now_ms())
             metrics.DISPATCHED.labels(ctx.model).inc(len(items))
+            tracing.record_dispatch("reclaim", [(i, time.time()) for i in items], cap.worker_id,
+                                    {"llmserve.reclaimed_from": inbox})
             logger.info("redispatched batch", from_inbox=inbox, to_worker=cap.worker_id, items=len(items))
 
     async def _rehome(self, key: tuple[str, str], target_shard: int) -> None:

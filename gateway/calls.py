@@ -22,6 +22,7 @@ from gateway.quota import Decision
 from gateway.request_state import Call
 from gateway.tenants import TenantRegistry
 from gateway.validation import REQUEST_ID
+from llmserve import tracing
 from llmserve.errors import InvalidArgument, ResourceExhausted
 from llmserve.log import bind_request
 from llmserve.server import status_for
@@ -48,6 +49,7 @@ def open_call(tenants: TenantRegistry, metadata: Mapping[str, str], request_id: 
     """
     request_id = request_id or uuid.uuid4().hex
     bind_request(request_id, "")
+    tracing.start_request(metadata, request_id)   # continues the caller's traceparent; count() ends it
     tenant = tenants.authenticate(metadata)
     bind_request(request_id, tenant.id)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s - _DEADLINE_MARGIN_S
@@ -81,6 +83,7 @@ def code_of(exc: BaseException) -> str:
 def count(method: str, call: Call | None, code: str, tenant: str = "-") -> None:
     """One finished call in the request metrics (`tenant` names the caller before a Call exists)."""
     metrics.REQUESTS.labels(method, call.tenant.id if call is not None else tenant, code).inc()
+    tracing.end_request(method, call.tenant.id if call is not None else tenant, code)
     if method in _GENERATING and call is not None and call.served_model:
         metrics.MODEL_REQUESTS.labels(call.served_model, code).inc()
 

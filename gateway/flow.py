@@ -42,7 +42,7 @@ from gateway.tenants import Tenant
 from gateway.tokenizer_client import ModelInfo, TokenizerClient
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
 from gateway.watch import QueueWaitExceeded, Watch
-from llmserve import keys, queue, redis_client
+from llmserve import keys, queue, redis_client, tracing
 from llmserve.clock import now_ms
 from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from llmserve.log import bind_model
@@ -92,6 +92,7 @@ class Flow:
     # -- entry ---------------------------------------------------------------------------------------------
     async def generate(self, call: Call, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         check_request_id(request.request_id, self.limits)
+        tracing.describe_request(call.tenant.id, request)
         with self.streams.slot(call.tenant.id):
             meta = await self._meta(call) if request.request_id else None
             if meta is None:
@@ -106,6 +107,8 @@ class Flow:
                 raise Unavailable(f"request {call.request_id} is being submitted; retry to attach")
             self._served(call, meta.model)  # a resume stays on the version it started on
             async for chunk in self._stream(call, meta):
+                if chunk.HasField("usage"):
+                    metrics.completed(request, meta.model, chunk)
                 yield chunk
 
     async def _meta(self, call: Call) -> Meta | None:
@@ -134,11 +137,12 @@ class Flow:
 
     async def _submit(self, call: Call, request: pb.GenerateRequest) -> Meta | None:
         arrival = now_ms()
-        model = self.model_for(call, request)
-        validate_request(request, self.limits)
-        priority = request.priority or call.tenant.priority
-        await self.shedder.check(model.id, priority, call.tenant.id)
-        await self._admit(call)
+        with tracing.span("admission"):
+            model = self.model_for(call, request)
+            validate_request(request, self.limits)
+            priority = request.priority or call.tenant.priority
+            await self.shedder.check(model.id, priority, call.tenant.id)
+            await self._admit(call)
         try:
             prompt_ids, sampling = await self._prepare(call, request, model)
             cost = len(prompt_ids) + sampling.max_new_tokens
@@ -208,7 +212,7 @@ class Flow:
             sampling=sampling, priority=priority, deadline_unix_ms=deadline_ms, arrival_unix_ms=meta.arrival_ms,
             enqueued_unix_ms=meta.enqueued_ms, events_key=keys.events_stream(call.tenant.id, call.request_id),
             cancel_key=keys.cancel_key(call.tenant.id, call.request_id), cache_salt=call.tenant.cache_salt,
-            tenant_weight=call.tenant.weight)
+            tenant_weight=call.tenant.weight, trace_context=tracing.inject())
 
     async def _enqueue(self, call: Call, meta: Meta, item: queue_pb2.WorkItem) -> None:
         key = keys.request_meta(call.tenant.id, call.request_id)
@@ -231,6 +235,7 @@ class Flow:
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
         lease = await self._attach(call)
         metrics.IN_FLIGHT.inc()
+        span = tracing.start_span("stream")
         outcome, failure = StreamOutcome.DETACHED, ""
         try:
             async for event in self._events(call, watch, lease):
@@ -261,6 +266,7 @@ class Flow:
             raise
         finally:
             metrics.IN_FLIGHT.dec()
+            tracing.end_span(span, {tracing.OUTPUT_TOKENS: builder.next_index, "llmserve.stream.outcome": outcome.value})
             self._spawn(self._finish(call, meta, builder, outcome, failure, lease))
 
     async def _attach(self, call: Call) -> ViewerLease | None:

@@ -12,6 +12,7 @@ import grpc
 import structlog
 from tokenizers import Tokenizer
 
+from llmserve import tracing
 from llmserve.errors import NotFound, Unavailable
 from llmserve.retry import remaining, retrying
 from llmserve.v1 import inference_pb2 as pb
@@ -92,9 +93,11 @@ class TokenizerClient:
         deadline = min(deadline, time.monotonic() + self.timeout_s * 3) if deadline else \
             time.monotonic() + self.timeout_s * 3
         try:
-            async for attempt in retrying(deadline=deadline):
-                with attempt:
-                    reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)))
+            with tracing.span("tokenize", {tracing.REQUEST_MODEL: model_id}, tracing.SpanKind.CLIENT):
+                async for attempt in retrying(deadline=deadline):
+                    with attempt:
+                        reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)),
+                                                       metadata=tracing.outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             caller_left = caller_deadline is None or time.monotonic() < caller_deadline
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and caller_left:

@@ -35,6 +35,7 @@ from gpu_worker.engine.engine import EngineStats, LLMEngine, StepOutput
 from gpu_worker.engine.sequence import FINISH_CANCELLED, Failure
 from gpu_worker.events import Emission, EventPublisher
 from gpu_worker.inbox import Inbox, InboxEntry
+from gpu_worker.request_spans import RequestSpans
 from gpu_worker.requests import Tracked, validate_item
 from gpu_worker.step_thread import StepThread
 from llmserve.clock import now_ms
@@ -84,6 +85,7 @@ class WorkerLoop:
         self.redis = redis
         self.inbox = Inbox(redis, model, worker_id, shard)
         self.publisher = EventPublisher(redis, model, worker_id, events_ttl_s, shard)
+        self.spans = RequestSpans(worker_id)
         self.max_inbox_batches = max_inbox_batches
         self.state = LoopState()
         self.accepting = True
@@ -237,6 +239,8 @@ class WorkerLoop:
                     "sampling.response_format", "the grammar cannot continue this request's tokens")))
             else:
                 self._queue(Emission(tracked, final=True, finish_reason=done.seq.finish_reason))
+        else:
+            self.spans.admitted(tracked)
 
     def _stop_cancelled_and_expired(self, live: list[Tracked], cancelled: list) -> None:
         """Abort the live requests whose cancel key exists (`cancelled`, one flag each) or whose
@@ -255,6 +259,7 @@ class WorkerLoop:
     def _emit_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             tracked = self.state.tracked[out.seq.seq_id]
+            self.spans.stepped(tracked, len(out.new_token_ids))
             if out.seq.failure is Failure.DOES_NOT_FIT:
                 self._queue(Emission(tracked, final=True, error=ResourceExhausted(
                     "kv_cache", 0, "prompt does not fit in this worker's KV cache")))
@@ -269,6 +274,7 @@ class WorkerLoop:
         if emission.final:
             reason = emission.error.code.name if emission.error else str(emission.finish_reason)
             metrics.FINISHED.labels(reason=reason).inc()
+            self.spans.ended(emission.tracked, emission.finish_reason, emission.error.message if emission.error else "")
             self._forget(emission.tracked)
 
     def _forget(self, tracked: Tracked) -> None:
@@ -302,6 +308,7 @@ class WorkerLoop:
                 continue
             tracked.done = True
             self.engine.abort(tracked.seq, 0, Failure.SUPERSEDED)
+            self.spans.moved(tracked, "superseded")
             self._forget(tracked)
             self.state.unpublished = [e for e in self.state.unpublished if e.tracked is not tracked]
             metrics.FENCED.inc()
@@ -312,6 +319,8 @@ class WorkerLoop:
     def _take_snapshot(self) -> None:
         self.snapshot = s = self.engine.stats(prefix_hashes=ADVERTISED_PREFIX_HASHES)
         metrics.PREEMPTIONS.inc(s.preemptions - self._last_preemptions)
+        if s.preemptions > self._last_preemptions:
+            self.spans.check_preempted(self.state.tracked.values())
         self._last_preemptions = s.preemptions
         metrics.RUNNING.set(s.running)
         metrics.WAITING.set(s.waiting)
@@ -332,6 +341,8 @@ class WorkerLoop:
     def items_to_hand_back(self, unread: list[InboxEntry]) -> tuple[list[queue_pb2.WorkItem], list[str]]:
         """(work items to requeue, inbox entries to ack) for everything not finished here."""
         items = [t.handoff_item() for t in self.unfinished()]
+        for tracked in self.unfinished():
+            self.spans.moved(tracked, "handed back")
         items += [item for entry in unread for item in entry.batch.items]
         entries = [*self.state.entries, *(e.entry_id for e in unread)]
         return items, entries

@@ -3,17 +3,20 @@
 Every line carries `service` and `version` (the package's). Handlers bind
 `request_id`, `tenant` and `model` with `bind_request()` / `bind_model()`; structlog's
 contextvars keep the binding per asyncio task, so concurrent requests never see
-each other's context.
+each other's context. While a span is current (tracing on, llmserve/tracing.py) a line
+also carries its `trace_id` and `span_id`, as the exporter writes them (hex).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from importlib import metadata
-from typing import TextIO, cast
+from typing import Any, TextIO, cast
 
 import structlog
+from opentelemetry import trace
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -35,6 +38,7 @@ def configure_logging(service: str, level: str = "info") -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.dict_tracebacks,
@@ -46,6 +50,15 @@ def configure_logging(service: str, level: str = "info") -> None:
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service, version=service_version())
+
+
+def add_trace_ids(logger: object, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: the current span's trace_id/span_id (none while tracing is off)."""
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        event.setdefault("trace_id", trace.format_trace_id(context.trace_id))
+        event.setdefault("span_id", trace.format_span_id(context.span_id))
+    return event
 
 
 def service_version() -> str:

@@ -36,7 +36,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve import redis_client
+from llmserve import redis_client, tracing
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.settings import CommonSettings
 
@@ -288,6 +288,7 @@ async def serve(service: Service, settings: CommonSettings, name: str,
     """
     stop = stop or asyncio.Event()
     _install_stop_signals(stop)
+    tracing.configure(name)   # off unless OTEL_TRACES_EXPORTER says otherwise
     if settings.metrics_port:
         metrics, _ = prometheus_client.start_http_server(max(settings.metrics_port, 0), addr=settings.host)
         settings.metrics_port = metrics.server_port
@@ -310,6 +311,7 @@ async def serve(service: Service, settings: CommonSettings, name: str,
     await service.drain()
     await handle.stop(settings.grace_s)
     await service.close()
+    tracing.shutdown()
     logger.info("stopped")
     return 0
 
@@ -319,4 +321,5 @@ async def _stop_failed(service: Service, handle: ServerHandle) -> int:
     await handle.set_serving(False)
     await handle.stop(0)
     await service.close()
+    tracing.shutdown()
     return 1

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from llmserve import model_store
+from llmserve import model_store, tracing
 from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc
@@ -95,13 +95,21 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     # -------------------------------------------------------------------------------------- RPCs
 
     async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
-        deadline = self._deadline(context)
-        model = self._model(request.model)
-        ids = await self._encode(model, encode_op(request, self.limits), deadline, "")
-        return pb.EncodeResponse(token_ids=ids)
+        with tracing.server_span("llmserve.v1.Tokenizer/Encode", context.invocation_metadata()) as span:
+            deadline = self._deadline(context)
+            model = self._model(request.model)
+            ids = await self._encode(model, encode_op(request, self.limits), deadline, "")
+            if span is not None:
+                span.set_attributes({tracing.REQUEST_MODEL: model, tracing.INPUT_TOKENS: len(ids)})
+            return pb.EncodeResponse(token_ids=ids)
 
     async def EncodeBatch(self, request: pb.EncodeBatchRequest,
                           context: grpc.aio.ServicerContext) -> pb.EncodeBatchResponse:
+        with tracing.server_span("llmserve.v1.Tokenizer/EncodeBatch", context.invocation_metadata()):
+            return await self._encode_batch(request, context)
+
+    async def _encode_batch(self, request: pb.EncodeBatchRequest,
+                            context: grpc.aio.ServicerContext) -> pb.EncodeBatchResponse:
         deadline = self._deadline(context)
         batch_size(request, self.limits)
         work = [(self._model(r.model), encode_op(r, self.limits, f"requests[{i}]."), f"requests[{i}].")
