@@ -17,6 +17,7 @@ least a step had to read, so a fraction near 1 means the step cannot run much fa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -81,6 +82,7 @@ def tensor_bytes(weight: LinearWeight | torch.Tensor) -> int:
     """Bytes a weight takes in memory, in whatever form the backend left it."""
     if isinstance(weight, QuantizedWeight):
         return weight.nbytes
+    assert isinstance(weight, torch.Tensor), f"no byte count for a {type(weight).__name__}"
     return weight.numel() * weight.element_size()
 
 
@@ -127,7 +129,6 @@ class RooflineMeter:
     def __init__(self, weights: int, kv: KVFootprint) -> None:
         self.weights = weights
         self.kv = kv
-        self.probe: BandwidthProbe | None = None
         self.stats = RooflineStats(weight_bytes=weights)
 
     @classmethod
@@ -145,8 +146,8 @@ class RooflineMeter:
                                    s.total_step_s + seconds, s.probe_gbps)
 
     def set_probe(self, probe: BandwidthProbe) -> None:
-        self.probe = probe
-        self.stats = RooflineStats(self.weights, probe_gbps=probe.gbps)
+        """Fractions are of this probe from now on."""
+        self.stats = dataclasses.replace(self.stats, probe_gbps=probe.gbps)
 
     def reset(self) -> None:
         """Zero the step figures; the probe stays."""
