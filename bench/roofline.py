@@ -84,7 +84,7 @@ def run_levels(args: argparse.Namespace, tmp: Path) -> list[dict]:
 
 
 def level_row(level: dict) -> dict:
-    """One level's figures; `fraction` is of the worker's own probe at start (what it exports), and
+    """One level's figures; `fraction` is of the worker's own best probe (what it exports), and
     `fraction_of_best_probe` of the best of that and the probe before the level."""
     meter, throughput = level["roofline"] or {}, level["summary"]["throughput"]
     best = max(meter.get("probe_gbps") or 0.0, level["probe_before_level_gbps"])
@@ -137,7 +137,7 @@ def main(argv: list[str]) -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     for row in result["levels"]:
         print(f"{row['streams']:>3} streams: {row['output_tok_s']:.1f} tok/s, achieved {row['achieved_gbps']:.2f} GB/s "
-              f"of {row['probe_gbps']:.2f} probed at start ({row['fraction']:.2f}); "
+              f"of the worker's {row['probe_gbps']:.2f} probed ({row['fraction']:.2f}); "
               f"{row['probe_before_level_gbps']:.2f} GB/s probed before the level "
               f"({row['fraction_of_best_probe']:.2f} of the better probe)")
     print(f"result: {path.relative_to(REPO)}")

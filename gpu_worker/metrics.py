@@ -30,7 +30,7 @@ FENCED = Counter("llmserve_worker_fenced_total",
 # plus the KV it attended over) against its wall time and the bandwidth probed at start.
 # Average bandwidth over a window: rate(llmserve_worker_step_bytes_total) / rate(llmserve_worker_step_seconds_sum).
 PROBE_GBPS = Gauge("llmserve_worker_probe_bandwidth_gbps",
-                   "memory bandwidth probed at start, GB/s (CPU: reads; CUDA: device-to-device copy)")
+                   "memory bandwidth probed, best so far, GB/s (CPU: reads; CUDA: device-to-device copy)")
 STEP_BYTES = Counter("llmserve_worker_step_bytes", "bytes engine steps had to read: weights + KV attended over")
 ACHIEVED_GBPS = Gauge("llmserve_worker_achieved_bandwidth_gbps", "last step's bytes read over its wall time, GB/s")
 BANDWIDTH_FRACTION = Gauge("llmserve_worker_bandwidth_fraction", "last step's achieved bandwidth over the probe's")

@@ -17,6 +17,7 @@ least a step had to read, so a fraction near 1 means the step cannot run much fa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -81,6 +82,7 @@ def tensor_bytes(weight: LinearWeight | torch.Tensor) -> int:
     """Bytes a weight takes in memory, in whatever form the backend left it."""
     if isinstance(weight, QuantizedWeight):
         return weight.nbytes
+    assert isinstance(weight, torch.Tensor), f"no byte count for a {type(weight).__name__}"
     return weight.numel() * weight.element_size()
 
 
@@ -127,8 +129,12 @@ class RooflineMeter:
     def __init__(self, weights: int, kv: KVFootprint) -> None:
         self.weights = weights
         self.kv = kv
-        self.probe: BandwidthProbe | None = None
-        self.stats = RooflineStats(weight_bytes=weights)
+        self._steps = RooflineStats(weight_bytes=weights)  # written by record() only (the step thread)
+        self.probe_gbps = 0.0                               # written by offer_probe() only (any thread)
+
+    @property
+    def stats(self) -> RooflineStats:
+        return dataclasses.replace(self._steps, probe_gbps=self.probe_gbps)
 
     @classmethod
     def for_model(cls, model: LlamaModel, kv_cache: KVCache) -> RooflineMeter:
@@ -140,17 +146,18 @@ class RooflineMeter:
 
     def record(self, nbytes: int, seconds: float) -> None:
         """One step read `nbytes` (`step_bytes`) in `seconds` of wall time."""
-        s = self.stats
-        self.stats = RooflineStats(s.weight_bytes, nbytes, seconds, s.total_bytes + nbytes,
-                                   s.total_step_s + seconds, s.probe_gbps)
+        s = self._steps
+        self._steps = RooflineStats(s.weight_bytes, nbytes, seconds, s.total_bytes + nbytes, s.total_step_s + seconds)
 
-    def set_probe(self, probe: BandwidthProbe) -> None:
-        self.probe = probe
-        self.stats = RooflineStats(self.weights, probe_gbps=probe.gbps)
+    def offer_probe(self, probe: BandwidthProbe) -> float:
+        """Keep the best probe so far as the fractions' reference (a probe that ran in a busy moment reads
+        low, never high); returns it, GB/s."""
+        self.probe_gbps = max(self.probe_gbps, probe.gbps)
+        return self.probe_gbps
 
     def reset(self) -> None:
         """Zero the step figures; the probe stays."""
-        self.stats = RooflineStats(self.weights, probe_gbps=self.stats.probe_gbps)
+        self._steps = RooflineStats(self.weights)
 
 
 # ---- the probe ------------------------------------------------------------------------------------

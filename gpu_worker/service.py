@@ -47,6 +47,7 @@ logger = structlog.get_logger(__name__)
 _HEARTBEAT_REMOVE_ERRORS: tuple[type[Exception], ...] = (TimeoutError, *UNAVAILABLE_ERRORS)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIN_BLOCKS = 4
+REPROBE_CHECKS, REPROBE_IDLE_S = 10, 3.0  # the first half minute: probe again after each idle 3 s
 
 
 def build_engine(settings: WorkerSettings) -> LLMEngine:
@@ -67,7 +68,7 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
     logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)
     if settings.bandwidth_probe:
-        metrics.PROBE_GBPS.set(engine.probe_bandwidth().gbps)
+        metrics.PROBE_GBPS.set(engine.probe_bandwidth())
     if device == "cuda" and settings.graph_batch_sizes():
         engine.capture_decode_graphs(settings.graph_batch_sizes())
         reason = engine.decode_graphs.disabled_reason if engine.decode_graphs else "not captured"
@@ -132,8 +133,19 @@ class WorkerService:
             give_up_s=self.settings.heartbeat_give_up_s)
         self.tasks.start("engine-loop", loop.run())
         self.tasks.start("heartbeat", heartbeat.run())
+        if self.settings.bandwidth_probe:
+            self.tasks.start("bandwidth-probe", self._probe_while_idle(loop, engine), may_return=True)
         logger.info("worker ready", worker_id=self.worker_id, model=self.model_id, queue_shard=self.shard,
                     step_thread=loop.step_thread.native_id)
+
+    async def _probe_while_idle(self, loop: WorkerLoop, engine: LLMEngine) -> None:
+        """Probe the bandwidth again whenever the worker idled REPROBE_IDLE_S, the best kept: the probe at
+        start can land among the other services' start-up on a small machine (gpu_worker/roofline.py)."""
+        for _ in range(REPROBE_CHECKS):
+            steps = loop.snapshot.steps
+            await asyncio.sleep(REPROBE_IDLE_S)
+            if loop.snapshot.steps == steps and not loop.busy:
+                metrics.PROBE_GBPS.set(await asyncio.to_thread(engine.probe_bandwidth))
 
     def _fail(self, exc: BaseException) -> None:
         """A task died (logged by the supervisor): serve() goes NOT_SERVING and exits 1 after close()."""

@@ -19,7 +19,7 @@ from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOut
 from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, Failure, SamplingParams, Sequence
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.roofline import BandwidthProbe, RooflineMeter, RooflineStats, probe_bandwidth
+from gpu_worker.roofline import RooflineMeter, RooflineStats, probe_bandwidth
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 from gpu_worker.runner.model_runner import ModelRunner
 
@@ -250,12 +250,12 @@ class LLMEngine:
         self.scheduler.num_preemptions = 0
         self.roofline.reset()
 
-    def probe_bandwidth(self) -> BandwidthProbe:
-        """Measure the memory bandwidth of the engine's device (logged); the roofline meter's fractions
-        are of it from now on. Takes well under a second (gpu_worker/roofline.py)."""
-        probe = probe_bandwidth(self.kv_cache.k_caches[0].device)
-        self.roofline.set_probe(probe)
-        return probe
+    def probe_bandwidth(self) -> float:
+        """Measure the memory bandwidth of the engine's device (logged, well under a second:
+        gpu_worker/roofline.py); the roofline meter's fractions are of the best probe so far, which
+        this returns (GB/s). Safe to call while a step runs (it touches only the probe's figure), but
+        each then slows the other."""
+        return self.roofline.offer_probe(probe_bandwidth(self.kv_cache.k_caches[0].device))
 
     def prepare(self, seq: Sequence) -> None:
         """Compile `seq`'s grammar and give it its matcher before `add`, which then has nothing

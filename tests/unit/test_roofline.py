@@ -15,7 +15,7 @@ from gpu_worker import metrics
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.loader import load_model
-from gpu_worker.roofline import KVFootprint, RooflineMeter, probe_bandwidth, weight_bytes
+from gpu_worker.roofline import BandwidthProbe, KVFootprint, RooflineMeter, probe_bandwidth, weight_bytes
 
 pytest.importorskip("transformers")
 
@@ -136,19 +136,29 @@ def test_the_probe_measures_a_positive_bandwidth():
 def test_fraction_is_of_the_probe_and_the_worker_metrics_carry_the_step(llama_dir):
     engine = engine_for(load_model(llama_dir, "cpu", torch.float32, quantization="int4"))
     probe = engine.probe_bandwidth()
+    assert probe > 0 and engine.probe_bandwidth() >= probe   # the best probe so far
+    probe = engine.stats().roofline.probe_gbps
     before = REGISTRY.get_sample_value("llmserve_worker_step_bytes_total") or 0.0
     run_steps(engine, [4], new_tokens=1)
     stats = engine.stats().roofline
     metrics.observe_roofline(stats)
-    assert stats.probe_gbps == probe.gbps and stats.fraction == pytest.approx(stats.achieved_gbps / probe.gbps)
+    assert stats.probe_gbps == probe and stats.fraction == pytest.approx(stats.achieved_gbps / probe)
     assert REGISTRY.get_sample_value("llmserve_worker_step_bytes_total") - before == stats.last_step_bytes
     assert REGISTRY.get_sample_value("llmserve_worker_achieved_bandwidth_gbps") == stats.achieved_gbps
     assert REGISTRY.get_sample_value("llmserve_worker_bandwidth_fraction") == stats.fraction
     engine.reset_stats()
-    assert engine.stats().roofline.total_bytes == 0 and engine.stats().roofline.probe_gbps == probe.gbps
+    assert engine.stats().roofline.total_bytes == 0 and engine.stats().roofline.probe_gbps == probe
 
 
 def test_meter_for_a_model_without_steps_reports_zeros():
     meter = RooflineMeter(weights=100, kv=KVFootprint(8, ((None, 1),)))
     assert meter.step_bytes([(0, 3), (5, 6)]) == 100 + (3 + 6) * 8
     assert meter.stats.achieved_gbps == 0.0 and meter.stats.fraction == 0.0
+
+
+def test_the_meter_keeps_the_best_probe():
+    """A probe that ran in a busy moment (the worker probes again when idle) never lowers the reference."""
+    meter = RooflineMeter(weights=100, kv=KVFootprint(8, ((None, 1),)))
+    assert [meter.offer_probe(BandwidthProbe("cpu", "read", gbps, 1, 1, 0.1)) for gbps in (5.0, 3.0, 7.0)] == [5, 5, 7]
+    meter.record(700, 1e-7)
+    assert meter.stats.probe_gbps == 7.0 and meter.stats.fraction == pytest.approx(1.0)
