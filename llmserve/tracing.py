@@ -285,6 +285,15 @@ def item_context(item: queue_pb2.WorkItem) -> otel_context.Context | None:
     return extract(item.trace_context)
 
 
+def log_fields(item: queue_pb2.WorkItem) -> dict[str, str]:
+    """`trace_id` for a log line about a work item outside its spans (batcher, worker loop); {}
+    when the item carries no trace."""
+    if not item.trace_context:
+        return {}
+    parent = trace.get_current_span(extract(item.trace_context)).get_span_context()
+    return {"trace_id": trace.format_trace_id(parent.trace_id)} if parent.is_valid else {}
+
+
 def item_attributes(item: queue_pb2.WorkItem, worker_id: str = "") -> dict[str, Any]:
     return _clean({REQUEST_MODEL: item.model, MODEL_VERSION: model_version(item.model), TENANT: item.tenant,
                    REQUEST_ID: item.request_id, WORKER: worker_id or None})
