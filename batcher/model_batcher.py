@@ -308,7 +308,7 @@ class ModelBatcher:
         for held, reason, _ in drops:
             metrics.DROPS.labels(self.model, reason.value).inc()
             logger.info("dropped queued request", model=self.model, request_id=held.item.request_id,
-                        tenant=held.item.tenant, reason=reason.value)
+                        tenant=held.item.tenant, reason=reason.value, **tracing.log_fields(held.item))
 
     async def _ack_held(self, helds: list[Held]) -> None:
         """Ack and delete held entries that are still ours (the script acks all or nothing: retry once

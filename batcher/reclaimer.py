@@ -195,7 +195,7 @@ class Reclaimer:
             metrics.DROPS.labels(self.ctx.model, DropReason.POISON.value).inc(len(poison))
             for item in poison:
                 logger.warning("failing poison request", request_id=item.request_id, tenant=item.tenant,
-                               deliveries=item.deliveries)
+                               deliveries=item.deliveries, **tracing.log_fields(item))
         return [i for i in items if i.deliveries < limit]
 
     def _target(self, items: list[queue_pb2.WorkItem]) -> Capacity | None:

@@ -38,6 +38,7 @@ from gpu_worker.inbox import Inbox, InboxEntry
 from gpu_worker.request_spans import RequestSpans
 from gpu_worker.requests import Tracked, validate_item
 from gpu_worker.step_thread import StepThread
+from llmserve import tracing
 from llmserve.clock import now_ms
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.redis_client import UNAVAILABLE_ERRORS
@@ -314,7 +315,7 @@ class WorkerLoop:
             metrics.FENCED.inc()
             logger.warning("request was dispatched again elsewhere; stopped here",
                            request_id=tracked.item.request_id, tenant=tracked.item.tenant,
-                           epoch=tracked.item.dispatch_epoch)
+                           epoch=tracked.item.dispatch_epoch, **tracing.log_fields(tracked.item))
 
     def _take_snapshot(self) -> None:
         self.snapshot = s = self.engine.stats(prefix_hashes=ADVERTISED_PREFIX_HASHES)

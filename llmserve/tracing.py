@@ -34,7 +34,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from llmserve.log import service_version
-from llmserve.v1 import queue_pb2
+from llmserve.v1 import inference_pb2, queue_pb2
 
 logger = structlog.get_logger(__name__)
 
@@ -225,7 +225,7 @@ def start_request(metadata: Mapping[str, str], request_id: str) -> None:
     otel_context.attach(trace.set_span_in_context(s))
 
 
-def describe_request(tenant: str, request) -> None:
+def describe_request(tenant: str, request: inference_pb2.GenerateRequest) -> None:
     """GenAI request attributes of a GenerateRequest on the call's span; it is named
     `{operation} {model}` as the conventions ask."""
     s = _request_span.get()
@@ -243,12 +243,12 @@ def describe_request(tenant: str, request) -> None:
         SEED: sampling.seed if sampling.HasField("seed") else None}))
 
 
-def operation_of(request) -> str:
+def operation_of(request: inference_pb2.GenerateRequest) -> str:
     """gen_ai.operation.name of a GenerateRequest: chat for messages, text_completion for a prompt."""
     return "chat" if len(request.messages) else "text_completion"
 
 
-def describe_completion(model: str, usage, finish_reason: str) -> None:
+def describe_completion(model: str, usage: inference_pb2.Usage, finish_reason: str) -> None:
     """The served model, usage and finish reason on the call's span (from the last chunk)."""
     s = _request_span.get()
     if s is None:
@@ -283,6 +283,15 @@ def item_context(item: queue_pb2.WorkItem) -> otel_context.Context | None:
     if _tracer is None:
         return None
     return extract(item.trace_context)
+
+
+def log_fields(item: queue_pb2.WorkItem) -> dict[str, str]:
+    """`trace_id` for a log line about a work item outside its spans (batcher, worker loop); {}
+    when the item carries no trace."""
+    if not item.trace_context:
+        return {}
+    parent = trace.get_current_span(extract(item.trace_context)).get_span_context()
+    return {"trace_id": trace.format_trace_id(parent.trace_id)} if parent.is_valid else {}
 
 
 def item_attributes(item: queue_pb2.WorkItem, worker_id: str = "") -> dict[str, Any]:

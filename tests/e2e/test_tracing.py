@@ -5,6 +5,8 @@ through the standard OTEL_* variables.
     Generate with a caller's traceparent   one trace, spans of all four services, parented right
     /v1/chat/completions with traceparent  the trace continues; the request's log line carries it
     a refused request                      its log line's trace_id/span_id are the exported span's
+    SIGTERM drain of the worker mid-request  one trace: the drained worker's decode ends "handed
+                                           back", the next worker's prefill resumes its tokens
     kill -9 of the worker mid-request      still one trace, with both workers' spans (run last:
                                            it leaves the stack one worker)
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 import urllib.request
@@ -104,7 +107,8 @@ def stack(receiver, tmp_path_factory):
     env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}", "OTEL_BSP_SCHEDULE_DELAY": "100"}
     config = StackConfig(workers=2, device="cpu", port=0, http_port=-1, tenants=TEST_TENANTS,
-                         log_dir=tmp_path_factory.mktemp("tracing"), extra_env=env)
+                         log_dir=tmp_path_factory.mktemp("tracing"), extra_env=env,
+                         extra_flags={"gpu_worker": ["--drain-timeout-s", "0"]})
     running = Stack(config).start()
     yield running
     running.close()
@@ -208,6 +212,32 @@ def test_a_refused_requests_log_line_names_its_exported_span(stack, receiver):
     lines = [json.loads(x) for x in stack.services["gateway-0"].log_path.read_text().splitlines()
              if request_id in x and '"request failed"' in x]
     assert lines and all((x["trace_id"], x["span_id"]) == (trace_id, root.span_id) for x in lines), lines
+
+
+def test_drain_handoff_is_one_trace_with_both_workers(stack, receiver):
+    header, trace_id, _ = traceparent()
+    got: list = []
+    client = threading.Thread(target=lambda: got.extend(generate(stack, header, max_new_tokens=256)))
+    client.start()
+    prefill = receiver.wait(trace_id, lambda spans: any(s.name == "prefill" for s in spans))
+    victim = one(prefill, "gpu_worker", "prefill").attributes["llmserve.worker.id"]
+    stack.services[victim].signal(signal.SIGTERM)     # drain timeout 0: hands the running request back
+    replacement = stack.start_worker()                 # two workers again for the kill -9 test
+    client.join(600)
+    assert sum(len(c.token_ids) for c in got) == 256 and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert stack.services[victim].wait(120) == 0
+    spans = receiver.wait(trace_id, lambda spans: sum(s.name == "decode" for s in spans) == 2 and
+                          any(s.attributes.get("rpc.method") for s in spans))
+    root = request_span(spans)
+    decodes = {s.attributes["llmserve.worker.id"]: s for s in spans if s.name == "decode"}
+    assert all(s.parent_id == root.span_id for s in decodes.values())
+    handed = decodes.pop(victim)
+    assert "handed back" in handed.events and handed.attributes["llmserve.moved"] == "handed back"
+    (taker, finished), = decodes.items()
+    assert finished.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    resumed = next(s for s in spans if s.name == "prefill" and s.attributes["llmserve.worker.id"] == taker)
+    assert resumed.attributes["llmserve.resumed_tokens"] > 0      # it continued from the handed-back tokens
+    replacement.wait_serving(time.monotonic() + 300)
 
 
 def test_kill9_failover_is_one_trace_with_both_workers(stack, receiver):

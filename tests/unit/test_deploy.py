@@ -648,7 +648,7 @@ def test_dashboard_queries_only_exported_metrics():
     assert len(exprs) >= 10
     used = set()
     for expr in exprs:
-        used |= set(re.findall(r"\b((?:llmserve|tokenizer)_[a-z0-9_]+)\b", expr))
+        used |= set(re.findall(r"\b((?:llmserve|tokenizer|gen_ai)_[a-z0-9_]+)\b", expr))
     assert used and not used - exported, f"not exported: {sorted(used - exported)}"
     # Each service has at least one panel.
     for prefix in ("llmserve_gateway_", "llmserve_batcher_", "llmserve_worker_", "tokenizer_"):

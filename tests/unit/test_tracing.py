@@ -151,6 +151,12 @@ def test_genai_metrics_of_a_finished_request():
     assert sample("gen_ai_client_token_usage_sum", gen_ai_token_type="output") == tokens_before + 11
 
 
+def test_log_fields_of_a_work_item():
+    assert tracing.log_fields(queue_pb2.WorkItem(trace_context={"traceparent": TRACEPARENT})) == {"trace_id": TRACE_ID}
+    assert tracing.log_fields(queue_pb2.WorkItem()) == {}
+    assert tracing.log_fields(queue_pb2.WorkItem(trace_context={"traceparent": "garbage"})) == {}
+
+
 def test_model_version_of_an_id():
     assert (tracing.model_version("smollm2-135m@v1"), tracing.model_version("plain")) == ("v1", "")
 
