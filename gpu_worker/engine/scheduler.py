@@ -2,9 +2,12 @@
 
 Every step:
 
-    0. the waiting queue is put in rank order (higher level first, then older first);
+    0. the waiting queue is put in rank order (higher level first; within a level, sequences
+       that waited the full aging bound oldest first, then earliest next-token deadline first,
+       then older first);
        while its head cannot be admitted for want of slots or KV blocks, it preempts the
-       running sequences that rank below it, lowest level and most recently started first,
+       running sequences below its level (or of its level and younger), lowest level and most
+       recently started first,
        as few as make it fit (none if even all of them would not), and is admitted at once;
     1. running sequences, oldest first, each takes min(uncomputed tokens, budget left):
        one token for a decode, a chunk for a long prefill (chunked prefill);
@@ -16,10 +19,13 @@ Preemption is recompute: blocks are freed, output so far is kept, the sequence w
 
 A sequence's level is its priority (LOW 1, NORMAL 2, HIGH 3; unspecified is NORMAL) plus one
 per `aging_steps` steps it has spent waiting, over all its waits, capped at HIGH (the starvation
-guard). Sequences of one level rank by age, so after (HIGH - p) * aging_steps waited steps a
-priority-p sequence ranks above every HIGH sequence younger than it: no later arrival can pass
-it in the queue or preempt it, and it preempts younger running sequences itself. So with nothing
-older ahead of it, a LOW sequence waits at most 2 * aging_steps + 1 steps.
+guard). Once a sequence has waited 2 * aging_steps steps it is at HIGH and ranks above every
+sequence that has not (deadlines aside), oldest first among those that have: no later arrival can
+pass it in the queue or preempt it, and it preempts younger running sequences itself. So with
+nothing older ahead of it, a LOW sequence waits at most 2 * aging_steps + 1 steps.
+
+Deadlines (SLO targets, llmserve/slo.py) order the queue within a level only; they never make
+one sequence preempt another of its level.
 
 Sequences that finish, are cancelled or expire leave through `finish()` at once and free
 their blocks. Policy lives here; block bookkeeping in `BlockManager`.
@@ -121,12 +127,21 @@ class Scheduler:
         base = seq.priority if seq.priority in _PRIORITIES else inference_pb2.PRIORITY_NORMAL
         return min(_PRIORITIES[-1], base + seq.waited_steps // self.config.aging_steps)
 
+    def aged(self, seq: Sequence) -> bool:
+        """Waited the whole aging bound: it ranks by age alone, ahead of every deadline."""
+        return seq.waited_steps >= 2 * self.config.aging_steps
+
     def _rank(self, seq: Sequence) -> tuple[int, int]:
-        """Higher is served first: level, then age (sequence ids grow with creation)."""
+        """Who may preempt whom: level, then age (sequence ids grow with creation)."""
         return self.level(seq), -seq.seq_id
 
+    def _queue_rank(self, seq: Sequence) -> tuple[int, bool, float, int]:
+        """Higher is served first: level, aged, earliest deadline, then age."""
+        urgency = 0.0 if self.aged(seq) else -seq.deadline_ms
+        return self.level(seq), self.aged(seq), urgency, -seq.seq_id
+
     def _order_waiting(self) -> None:
-        self.waiting = deque(sorted(self.waiting, key=self._rank, reverse=True))
+        self.waiting = deque(sorted(self.waiting, key=self._queue_rank, reverse=True))
 
     def _victims(self, candidates: list[Sequence]) -> list[Sequence]:
         """`candidates` (in start order) in the order they are preempted: lowest level, newest first."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from llmserve.slo import Targets
 from llmserve.v1 import inference_pb2
 
 BS = 4
@@ -247,3 +248,52 @@ def test_aging_bounds_a_low_sequences_wait_under_a_high_flood():
         sched.add(make_prio(2, 200 + step, HIGH))
         out = sched.schedule()
         assert out.preempted == [] and [s.seq for s in out.scheduled] == [low]
+
+
+# --- deadlines (SLO targets) -------------------------------------------------------------------
+def make_slo(n: int, start: int, priority: int, arrival_ms: int, ttft_ms: int, tpot_ms: int = 0) -> Sequence:
+    return Sequence(list(range(start, start + n)), SamplingParams(temperature=0.0), priority=priority,
+                    slo=Targets(ttft_ms, tpot_ms), arrival_unix_ms=arrival_ms)
+
+
+def test_waiting_queue_is_earliest_deadline_first_within_a_priority():
+    sched = make_prio_scheduler(max_seqs=1)
+    plain = make_prio(2, 0, NORMAL)
+    late = make_slo(2, 10, NORMAL, arrival_ms=1_000, ttft_ms=9_000)    # due 10,000
+    soon = make_slo(2, 20, NORMAL, arrival_ms=5_000, ttft_ms=1_000)    # due 6,000
+    low_urgent = make_slo(2, 30, LOW, arrival_ms=1, ttft_ms=1)          # due first, but LOW
+    for s in (plain, late, soon, low_urgent):
+        sched.add(s)
+    out = sched.schedule()
+    assert plan(out) == [(soon.seq_id, 2)]
+    assert list(sched.waiting) == [late, plain, low_urgent]
+
+
+def test_a_deadline_never_preempts_within_its_priority():
+    sched = make_prio_scheduler(max_seqs=1)
+    running = make_prio(2, 0, NORMAL)
+    sched.add(running)
+    run_step(sched, sched.schedule())
+    urgent = make_slo(2, 10, NORMAL, arrival_ms=1, ttft_ms=1)
+    sched.add(urgent)
+    out = sched.schedule()
+    assert out.preempted == [] and plan(out) == [(running.seq_id, 1)]
+
+
+def test_aging_bound_holds_against_a_flood_of_high_deadlines():
+    aging = 3
+    sched = make_prio_scheduler(max_seqs=1, aging_steps=aging)
+    low = make_prio(2, 0, LOW)
+    sched.add(low)
+    steps_waited = 0
+    for step in range(40):
+        sched.add(make_slo(2, 100 + step, HIGH, arrival_ms=1, ttft_ms=1))   # always due before anyone
+        out = sched.schedule()
+        if low in [s.seq for s in out.scheduled]:
+            break
+        steps_waited += 1
+        run_step(sched, out)
+        for seq in list(sched.running):
+            if seq.output_token_ids:
+                sched.finish(seq)
+    assert steps_waited == 2 * aging
