@@ -227,6 +227,7 @@ class LLMEngine:
     def stats(self, prefix_hashes: int = 0) -> EngineStats:
         """What the engine holds and did so far; with the `prefix_hashes` hottest cached block hashes."""
         bm = self.block_manager
+        preemptible_seqs, preemptible_blocks = self.scheduler.preemptible_by_high()
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             free_blocks=bm.num_free_blocks, total_blocks=self.config.num_blocks, kv_usage=bm.usage,
@@ -234,6 +235,7 @@ class LLMEngine:
             last_batch_tokens=self.counters.last_batch_tokens, preemptions=self.scheduler.num_preemptions,
             prefix_hit_rate=bm.stats.hit_rate,
             cached_prefix_hashes=tuple(bm.cached_hashes(prefix_hashes)) if prefix_hashes else (),
+            preemptible_seqs=preemptible_seqs, preemptible_blocks=preemptible_blocks,
         )
 
     def reset_stats(self) -> None:
@@ -270,3 +272,5 @@ class EngineStats:
     preemptions: int
     prefix_hit_rate: float
     cached_prefix_hashes: tuple[int, ...] = ()
+    preemptible_seqs: int = 0           # running below HIGH: what a HIGH arrival may preempt
+    preemptible_blocks: int = 0         # the KV blocks those alone hold

@@ -148,6 +148,14 @@ class Scheduler:
         newest_first = candidates[::-1]
         return sorted(newest_first, key=self.level)
 
+    def preemptible_by_high(self) -> tuple[int, int]:
+        """(running sequences below HIGH, the KV blocks they alone hold): the room a HIGH arrival
+        could make by preemption; (0, 0) with priority preemption off."""
+        if not self.config.priority_preemption:
+            return 0, 0
+        below = [s for s in self.running if self.level(s) < _PRIORITIES[-1]]
+        return len(below), sum(self.blocks.num_exclusive_blocks(s) for s in below)
+
     # --- step 0: priority preemption ---------------------------------------------------------
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
         admitted: list[Sequence] = []

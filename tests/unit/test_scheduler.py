@@ -297,3 +297,12 @@ def test_aging_bound_holds_against_a_flood_of_high_deadlines():
             if seq.output_token_ids:
                 sched.finish(seq)
     assert steps_waited == 2 * aging
+
+
+def test_preemptible_by_high_counts_running_below_high_and_their_blocks():
+    sched = make_prio_scheduler()
+    for seq in (make_prio(7, 0, LOW), make_prio(3, 10, NORMAL), make_prio(3, 20, HIGH)):
+        sched.add(seq)
+    run_step(sched, sched.schedule())
+    assert sched.preemptible_by_high() == (2, 3)      # LOW holds 2 blocks, NORMAL 1; HIGH is not preemptible
+    assert make_prio_scheduler(preemption=False).preemptible_by_high() == (0, 0)
