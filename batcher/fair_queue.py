@@ -16,7 +16,8 @@ The least-served tenant goes next (ties: the one served longest ago), so tenants
 get tokens in proportion to their weights whatever their prompt lengths, and a
 tenant alone gets everything. A tenant that (re)joins the class is lifted to the
 least counter of the active tenants (the highest seen, when none is), so idling
-banks no credit.
+banks no credit. With `count_tokens` off (batcher --fair-share requests) every item
+costs 1 / weight: request round-robin, the baseline bench/scheduling.py compares with.
 
 Latency targets come first within a class (earliest deadline first): an item with a TTFT
 target has a next-token deadline (llmserve/slo.py); each tenant's queue is kept in deadline
@@ -76,6 +77,7 @@ class _ClassQueue:
     tenants: OrderedDict[str, list[Held]] = field(default_factory=OrderedDict)
     served: dict[str, float] = field(default_factory=dict)   # tenant → virtual tokens served
     size: int = 0
+    count_tokens: bool = True
 
     def push(self, held: Held) -> None:
         tenant = held.item.tenant
@@ -119,7 +121,7 @@ class _ClassQueue:
         fifo = self.tenants.pop(tenant)
         held = fifo.pop(0)
         self.size -= 1
-        self.served[tenant] += held.virtual_tokens
+        self.served[tenant] += held.virtual_tokens if self.count_tokens else 1 / (held.item.tenant_weight or 1.0)
         if fifo:
             self.tenants[tenant] = fifo  # re-inserted at the back: it now loses ties
         return held
@@ -145,8 +147,8 @@ class _ClassQueue:
 class FairQueue:
     """Per-priority, per-tenant queues of held items; see the module docstring."""
 
-    def __init__(self) -> None:
-        self._classes = {p: _ClassQueue() for p in keys.PRIORITY_ORDER}
+    def __init__(self, count_tokens: bool = True) -> None:
+        self._classes = {p: _ClassQueue(count_tokens=count_tokens) for p in keys.PRIORITY_ORDER}
         self._refs: set[tuple[str, str]] = set()
         self.prompt_tokens = 0  # of everything held
 

@@ -64,7 +64,7 @@ class ModelBatcher:
         self.model, self.shard, self.consumer = model, shard, consumer
         self.limits = settings.limits_for(model)
         self.streams = {p: keys.work_stream(model, p, shard) for p in keys.PRIORITY_ORDER}
-        self.queue = FairQueue()
+        self.queue = FairQueue(count_tokens=settings.fair_share == "tokens")
         self.rehome_to = rehome_to
         self.pool = WorkerPool(settings.heartbeat_ttl_ms, settings.capacity_grace_ms)
         self.reclaimer = Reclaimer(ReclaimContext(

@@ -195,3 +195,10 @@ def test_untargeted_items_stay_token_fair_and_in_read_order():
     q = FairQueue()
     q.extend([make_held("a0", "a"), make_held("a1", "a"), make_held("b0", "b")])
     assert take_ids(q, 3) == ["a0", "b0", "a1"]
+
+
+def test_request_round_robin_when_tokens_are_not_counted():
+    q = FairQueue(count_tokens=False)
+    q.extend(make_held(f"long{i}", "long", prompt_len=2000) for i in range(3))
+    q.extend(make_held(f"short{i}", "short", prompt_len=50) for i in range(3))
+    assert take_ids(q, 6) == ["long0", "short0", "long1", "short1", "long2", "short2"]
