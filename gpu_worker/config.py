@@ -34,6 +34,8 @@ class WorkerSettings(CommonSettings):
     prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
     priority_preemption: bool = setting(True, "a HIGH request that finds the worker full preempts the lowest-"
                                               "priority, newest running sequences (gpu_worker/engine/scheduler.py)")
+    fair_share: str = setting("tokens", "what tenants share fairly in admission: tokens (VTC, prompt and "
+                                        "generated, over the tenant's weight) or requests (round-robin)")
     aging_steps: int = setting(256, "starvation guard: engine steps waited per priority level gained; a LOW "
                                     "sequence with nothing older ahead waits at most 2x this + 1 steps")
     heartbeat_s: float = setting(0.5, "seconds between heartbeats")
@@ -59,6 +61,7 @@ class WorkerSettings(CommonSettings):
         require(self.num_blocks >= 0, "num_blocks", "must be >= 0")
         require(self.max_running >= 1, "max_running", "must be >= 1")
         require(self.aging_steps >= 1, "aging_steps", "must be >= 1")
+        require(self.fair_share in ("tokens", "requests"), "fair_share", "must be tokens or requests")
         require(self.max_batched_tokens >= self.max_running, "max_batched_tokens",
                 "must be >= max_running (every running sequence decodes one token per step)")
         require(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")

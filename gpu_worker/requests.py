@@ -64,7 +64,8 @@ class Tracked:
         seq = Sequence(list(item.prompt_token_ids), sampling_params(item),
                        prior_output_ids=list(item.generated_token_ids), request_id=item.request_id,
                        cache_salt=item.cache_salt, priority=item.priority, slo=slo.targets_of(item),
-                       arrival_unix_ms=item.arrival_unix_ms)
+                       arrival_unix_ms=item.arrival_unix_ms, tenant=item.tenant,
+                       tenant_weight=item.tenant_weight or 1.0)
         return cls(item, seq, entry_id)
 
     def expired(self, at_ms: int) -> bool:

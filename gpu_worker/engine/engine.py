@@ -34,6 +34,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     priority_preemption: bool = True     # scheduler.py step 0
     aging_steps: int = 256               # starvation guard: waited steps per priority level
+    fair_tokens: bool = True             # tenants share admission by tokens (VTC), else by requests
 
 
 @dataclass
@@ -75,7 +76,8 @@ class LLMEngine:
         self.context_length: int = model.config.context_length
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.priority_preemption, config.aging_steps),
+                                                   config.priority_preemption, config.aging_steps,
+                                                   config.fair_tokens),
                                    self.block_manager)
         self.constraints = constraints
         self.sampler = Sampler(constraints)

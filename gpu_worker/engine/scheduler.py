@@ -4,7 +4,7 @@ Every step:
 
     0. the waiting queue is put in rank order (higher level first; within a level, sequences
        that waited the full aging bound oldest first, then earliest next-token deadline first,
-       then older first);
+       then the least-served tenant's first, then older first);
        while its head cannot be admitted for want of slots or KV blocks, it preempts the
        running sequences below its level (or of its level and younger), lowest level and most
        recently started first,
@@ -26,6 +26,11 @@ nothing older ahead of it, a LOW sequence waits at most 2 * aging_steps + 1 step
 
 Deadlines (SLO targets, llmserve/slo.py) order the queue within a level only; they never make
 one sequence preempt another of its level.
+
+Tenants share the worker by tokens (VTC, as the batcher's fair queue does): every token a step
+computes for a sequence (prefill chunk or decode) adds 1 / tenant_weight to its tenant's
+counter, and a tenant that (re)joins starts at the least counter of the active tenants. With
+`fair_tokens` off each admission counts 1 / weight instead (request round-robin, a baseline).
 
 Sequences that finish, are cancelled or expire leave through `finish()` at once and free
 their blocks. Policy lives here; block bookkeeping in `BlockManager`.
@@ -49,6 +54,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512    # tokens in one forward (decodes + prefill chunks)
     priority_preemption: bool = True     # step 0: a higher-ranked waiting sequence evicts running ones
     aging_steps: int = 256               # waited steps per level gained (LOW waits <= 2x this + 1)
+    fair_tokens: bool = True             # tenants share by tokens computed; False: by admissions (round-robin)
 
 
 @dataclass(frozen=True)
@@ -92,10 +98,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.served: dict[str, float] = {}     # tenant → virtual tokens computed (token fairness)
 
     def add(self, seq: Sequence) -> None:
+        self._lift(seq.tenant)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def _lift(self, tenant: str) -> None:
+        """A tenant with nothing here starts at the least counter of the active ones: idling banks no credit."""
+        active = {s.tenant for s in (*self.waiting, *self.running)}
+        if tenant in active:
+            return
+        floor = min((self.served.get(t, 0.0) for t in active), default=self.served.get(tenant, 0.0))
+        self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -119,7 +135,13 @@ class Scheduler:
             self._admit_waiting(out, budget)
         for seq in self.waiting:
             seq.waited_steps += 1
+        if self.config.fair_tokens:
+            for item in out.scheduled:
+                self._charge(item.seq, item.num_tokens)
         return out
+
+    def _charge(self, seq: Sequence, cost: float) -> None:
+        self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + cost / (seq.tenant_weight or 1.0)
 
     # --- rank --------------------------------------------------------------------------------
     def level(self, seq: Sequence) -> int:
@@ -135,10 +157,12 @@ class Scheduler:
         """Who may preempt whom: level, then age (sequence ids grow with creation)."""
         return self.level(seq), -seq.seq_id
 
-    def _queue_rank(self, seq: Sequence) -> tuple[int, bool, float, int]:
-        """Higher is served first: level, aged, earliest deadline, then age."""
-        urgency = 0.0 if self.aged(seq) else -seq.deadline_ms
-        return self.level(seq), self.aged(seq), urgency, -seq.seq_id
+    def _queue_rank(self, seq: Sequence) -> tuple[int, bool, float, float, int]:
+        """Higher is served first: level, aged, earliest deadline, least-served tenant, then age
+        (an aged sequence ranks by age alone)."""
+        if self.aged(seq):
+            return self.level(seq), True, 0.0, 0.0, -seq.seq_id
+        return self.level(seq), False, -seq.deadline_ms, -self.served.get(seq.tenant, 0.0), -seq.seq_id
 
     def _order_waiting(self) -> None:
         self.waiting = deque(sorted(self.waiting, key=self._queue_rank, reverse=True))
@@ -248,6 +272,8 @@ class Scheduler:
             seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if not self.config.fair_tokens:
+            self._charge(seq, 1.0)              # request round-robin: one per (re)admission
         num = min(seq.num_uncomputed, budget)
         out.scheduled.append(ScheduledSeq(seq, num))
         return budget - num

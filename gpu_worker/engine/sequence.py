@@ -75,6 +75,7 @@ class Sequence:
         cache_salt: prefix-cache salt (the work item's); blocks are shared only under the same salt.
         priority: the work item's Priority (HIGH preempts lower running sequences; scheduler.py).
         slo: latency targets; with arrival_unix_ms they give the next token's deadline (llmserve/slo.py).
+        tenant, tenant_weight: whose request it is and that tenant's share (token-fair admission).
     """
 
     prompt_token_ids: list[int]
@@ -85,6 +86,8 @@ class Sequence:
     priority: int = inference_pb2.PRIORITY_NORMAL
     slo: Targets = Targets()
     arrival_unix_ms: int = 0
+    tenant: str = ""
+    tenant_weight: float = 1.0
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -306,3 +306,46 @@ def test_preemptible_by_high_counts_running_below_high_and_their_blocks():
     run_step(sched, sched.schedule())
     assert sched.preemptible_by_high() == (2, 3)      # LOW holds 2 blocks, NORMAL 1; HIGH is not preemptible
     assert make_prio_scheduler(preemption=False).preemptible_by_high() == (0, 0)
+
+
+def test_admission_is_token_fair_across_tenants():
+    sched = make_prio_scheduler(max_seqs=2)
+    heavy = Sequence(list(range(40)), SamplingParams(temperature=0.0), tenant="heavy")
+    light = Sequence(list(range(100, 103)), SamplingParams(temperature=0.0), tenant="light")
+    sched.add(heavy)
+    sched.add(light)
+    run_step(sched, sched.schedule())                 # heavy computed 40 tokens, light 3
+    late_heavy = Sequence(list(range(200, 203)), SamplingParams(temperature=0.0), tenant="heavy")
+    light2 = Sequence(list(range(300, 303)), SamplingParams(temperature=0.0), tenant="light")
+    sched.add(late_heavy)                             # older than light2, but its tenant was served more
+    sched.add(light2)
+    sched.finish(heavy)
+    assert plan(sched.schedule()) == [(light.seq_id, 1), (light2.seq_id, 3)]
+    assert sched.served == {"heavy": 40.0, "light": 7.0}
+    assert list(sched.waiting) == [late_heavy]
+
+
+def test_a_tenant_that_rejoins_starts_at_the_least_active_counter():
+    sched = make_prio_scheduler(max_seqs=1)
+    busy = Sequence(list(range(40)), SamplingParams(temperature=0.0), tenant="busy")
+    sched.add(busy)
+    run_step(sched, sched.schedule())
+    sched.add(Sequence(list(range(3)), SamplingParams(temperature=0.0), tenant="idle"))
+    assert sched.served["idle"] == 40.0               # no credit banked while it sent nothing
+
+
+def test_tenant_weight_divides_the_tokens_charged():
+    sched = make_prio_scheduler()
+    seq = Sequence(list(range(8)), SamplingParams(temperature=0.0), tenant="gold", tenant_weight=4.0)
+    sched.add(seq)
+    run_step(sched, sched.schedule())
+    assert sched.served["gold"] == 2.0
+
+
+def test_request_round_robin_charges_one_per_admission():
+    sched = Scheduler(SchedulerConfig(8, 64, fair_tokens=False), BlockManager(16, BS))
+    seq = Sequence(list(range(40)), SamplingParams(temperature=0.0), tenant="t")
+    sched.add(seq)
+    run_step(sched, sched.schedule())
+    run_step(sched, sched.schedule())                 # a decode step admits nobody: no charge
+    assert sched.served["t"] == 1.0
