@@ -7,13 +7,15 @@ the same run with the feature off:
      beside it one decode step (the LOWs' median inter-token gap) and the HIGH prompt's TTFT
      on an idle stack (its prefill)
   b  two tenants at the same Poisson rate (--fair-rate each, --duration s), one with
-     2,000-token prompts and one with 50: prompt + generated tokens per second each tenant got
-     (requests finished within the window) and Jain's index, token-fair (VTC) vs request
-     round-robin (batcher --fair-share)
-  c  mixed SLO load (--slo-rate, --duration s): 70 % interactive (50-token prompts, TTFT 1.5 s,
-     TPOT 0.5 s), 30 % batch (1,000-token prompts, TTFT 20 s, TPOT 1 s); goodput (requests/s
-     within their own targets) with the targets sent (earliest deadline first) and early
-     refusal (tenant shed_unmeetable), vs the same requests sent without targets (FIFO)
+     --long-prompt-token prompts (the issue's 2,000) and one with --short-prompt (50), 4 new
+     tokens each: prompt + generated tokens per second each tenant got within the window and
+     Jain's index, token-fair (VTC, batcher and worker) vs request round-robin (batcher and
+     worker --fair-share requests)
+  c  mixed SLO load (--slo-rate, --duration s): 70 % interactive (50-token prompts, 8 new,
+     TTFT 4 s, TPOT 1.5 s), 30 % batch (300-token prompts, 16 new, TTFT 40 s, TPOT 3 s);
+     goodput (requests/s within their own targets) with the targets sent (earliest deadline
+     first) and early refusal (tenant shed_unmeetable), vs the same requests without targets
+     (FIFO). The targets suit a shared 2-core CPU; scale them with the machine.
 
     PYTHONPATH=$PWD .venv/bin/python bench/scheduling.py [--parts a,b,c] \\
         [--output bench/results/scheduling/cpu.json]
@@ -57,7 +59,7 @@ TENANTS = {"low": "low", "high": "high", "long": "normal", "short": "normal", "s
 WORDS = ("river stone light cloud paper window garden music orange silver forest market letter winter "
          "engine planet bridge castle doctor island yellow summer number little people mother animal").split()
 # part c: prompt tokens, max_new_tokens, targets
-MIXED = {"interactive": (50, 16, Targets(1500, 500)), "batch": (1000, 32, Targets(20_000, 1000))}
+MIXED = {"interactive": (50, 8, Targets(4000, 1500)), "batch": (300, 16, Targets(40_000, 3000))}
 
 
 def tenants_yaml() -> str:
@@ -190,10 +192,9 @@ class Bench:
         raise TimeoutError("the LOW generations did not all start")
 
     # ── b: two tenants, long vs short prompts, same request rate ─────────────────────────────
-    async def fair_tokens(self, rate: float, duration_s: float, max_new: int = 16) -> dict:
+    async def fair_tokens(self, rate: float, duration_s: float, sizes: dict[str, int], max_new: int = 4) -> dict:
         """Tokens each tenant got within the window: the prompt of every request whose first token
         arrived in it (its prefill is done), plus every generated token that arrived in it."""
-        sizes = {"long": 2000, "short": 50}
         live: dict[str, list[RequestResult]] = {t: [] for t in sizes}
 
         def send(n: int) -> asyncio.Future:
@@ -210,7 +211,7 @@ class Bench:
                    for t, rs in live.items()}
         return {"tokens_per_s": tokens, "first_tokens_in_window": started, "sent": sent,
                 "jain": jain(list(tokens.values())), "rate_per_tenant": rate, "duration_s": duration_s,
-                "max_new_tokens": max_new}
+                "prompt_tokens": sizes, "max_new_tokens": max_new}
 
     # ── c: mixed SLO load ────────────────────────────────────────────────────────────────────
     async def mixed_slo(self, rate: float, duration_s: float, aware: bool) -> dict:
@@ -244,9 +245,11 @@ def _served(result: RequestResult, prompt_tokens: int, end: float) -> int:
 
 STACKS = {   # feature on / off: worker preemption (a), batcher fair share (b); c runs on "on" both ways
     "on": {},
-    "off": {"gpu_worker": ["--priority-preemption", "false"], "batcher": ["--fair-share", "requests"]},
+    "off": {"gpu_worker": ["--priority-preemption", "false", "--fair-share", "requests"],
+            "batcher": ["--fair-share", "requests"]},
 }
-COMMON_FLAGS = {"gpu_worker": ["--kv-cache-mb", "1200"],
+# 256-token steps: a cancelled backlog's prefill chunks stop sooner between runs
+COMMON_FLAGS = {"gpu_worker": ["--kv-cache-mb", "1200", "--max-batched-tokens", "256"],
                 "gateway": ["--queue-max-depth", "100000", "--detach-grace-s", "0.2", "--max-queue-wait-s", "900"]}
 
 
@@ -269,7 +272,8 @@ async def run_parts(setting: str, parts: set[str], args: argparse.Namespace, pro
             out["a"] = await bench.high_under_lows(args.lows, args.low_tokens)
             print(f"[{setting}] a: {out['a']}", flush=True)
         if "b" in parts:
-            out["b"] = await bench.fair_tokens(args.fair_rate, args.duration)
+            out["b"] = await bench.fair_tokens(args.fair_rate, args.duration,
+                                               {"long": args.long_prompt, "short": args.short_prompt})
             print(f"[{setting}] b: {out['b']}", flush=True)
         if "c" in parts and setting == "on":
             for aware in (True, False):
@@ -307,9 +311,11 @@ def main() -> None:
     parser.add_argument("--parts", default="a,b,c")
     parser.add_argument("--lows", type=int, default=32)
     parser.add_argument("--low-tokens", type=int, default=512)
-    parser.add_argument("--fair-rate", type=float, default=4.0, help="requests/s of each tenant in part b")
+    parser.add_argument("--fair-rate", type=float, default=5.0, help="requests/s of each tenant in part b")
+    parser.add_argument("--long-prompt", type=int, default=2000, help="prompt tokens of part b's long tenant")
+    parser.add_argument("--short-prompt", type=int, default=50, help="prompt tokens of part b's short tenant")
     parser.add_argument("--slo-rate", type=float, default=1.0, help="requests/s in part c")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load in parts b and c")
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds of load in parts b and c")
     parser.add_argument("--output", default="")
     args = parser.parse_args()
     asyncio.run(run(args))
