@@ -123,7 +123,7 @@ class Bench:
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.ids = (f"r{n}" for n in range(10**9))
 
-    async def idle(self, timeout_s: float = 300.0) -> None:
+    async def idle(self, timeout_s: float = 900.0) -> None:
         """Until nothing is queued and the worker runs nothing (after a run's cancellations)."""
         model = model_store.DEFAULT_MODEL
         deadline = time.monotonic() + timeout_s
