@@ -6,9 +6,9 @@ the same run with the feature off:
      (max_running = --lows): priority preemption on vs off (worker --priority-preemption);
      beside it one decode step (the LOWs' median inter-token gap) and the HIGH prompt's TTFT
      on an idle stack (its prefill)
-  b  two tenants at the same Poisson rate (--fair-rate each, --duration s), one with
-     --long-prompt-token prompts (the issue's 2,000) and one with --short-prompt (50), 4 new
-     tokens each: prompt + generated tokens per second each tenant got within the window and
+  b  two tenants, each with --fair-clients back-to-back clients (both always backlogged), for
+     --duration s, one with --long-prompt-token prompts (the issue's 2,000) and one with
+     --short-prompt (50), 4 new tokens each: prompt + generated tokens per second each tenant got within the window and
      Jain's index, token-fair (VTC, batcher and worker) vs request round-robin (batcher and
      worker --fair-share requests)
   c  mixed SLO load (--slo-rate, --duration s): 70 % interactive (50-token prompts, 8 new,
@@ -192,25 +192,31 @@ class Bench:
         raise TimeoutError("the LOW generations did not all start")
 
     # ── b: two tenants, long vs short prompts, same request rate ─────────────────────────────
-    async def fair_tokens(self, rate: float, duration_s: float, sizes: dict[str, int], max_new: int = 4) -> dict:
-        """Tokens each tenant got within the window: the prompt of every request whose first token
-        arrived in it (its prefill is done), plus every generated token that arrived in it."""
+    async def fair_tokens(self, clients: int, duration_s: float, sizes: dict[str, int], max_new: int = 4) -> dict:
+        """`clients` back-to-back clients per tenant (both tenants always backlogged) for the window;
+        tokens each tenant got in it: the prompt of every request whose first token arrived in it
+        (its prefill is done), plus every generated token that arrived in it."""
         live: dict[str, list[RequestResult]] = {t: [] for t in sizes}
-
-        def send(n: int) -> asyncio.Future:
-            tenant = "long" if n % 2 == 0 else "short"
-            return asyncio.ensure_future(stream(self.stub, tenant, self.prompts.make(sizes[tenant]), max_new,
-                                                next(self.ids), into=live[tenant]))
-
         start = time.monotonic()
-        _, sent = await self.open_loop(2 * rate, duration_s, send)
         end = start + duration_s
+
+        async def client(tenant: str) -> None:
+            while time.monotonic() < end:
+                await stream(self.stub, tenant, self.prompts.make(sizes[tenant]), max_new, next(self.ids),
+                             into=live[tenant])
+
+        tasks = [asyncio.ensure_future(client(t)) for t in sizes for _ in range(clients)]
+        await asyncio.sleep(duration_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.idle()
         tokens = {t: sum(_served(r, sizes[t], end) for r in rs) / duration_s for t, rs in live.items()}
         started = {t: sum(1 for r in rs if r.first_token_s is not None and r.first_token_s <= end)
                    for t, rs in live.items()}
-        return {"tokens_per_s": tokens, "first_tokens_in_window": started, "sent": sent,
-                "jain": jain(list(tokens.values())), "rate_per_tenant": rate, "duration_s": duration_s,
+        return {"tokens_per_s": tokens, "first_tokens_in_window": started,
+                "errors": {t: sum(1 for r in rs if r.code not in ("OK", "CANCELLED")) for t, rs in live.items()},
+                "jain": jain(list(tokens.values())), "clients_per_tenant": clients, "duration_s": duration_s,
                 "prompt_tokens": sizes, "max_new_tokens": max_new}
 
     # ── c: mixed SLO load ────────────────────────────────────────────────────────────────────
@@ -272,7 +278,7 @@ async def run_parts(setting: str, parts: set[str], args: argparse.Namespace, pro
             out["a"] = await bench.high_under_lows(args.lows, args.low_tokens)
             print(f"[{setting}] a: {out['a']}", flush=True)
         if "b" in parts:
-            out["b"] = await bench.fair_tokens(args.fair_rate, args.duration,
+            out["b"] = await bench.fair_tokens(args.fair_clients, args.duration,
                                                {"long": args.long_prompt, "short": args.short_prompt})
             print(f"[{setting}] b: {out['b']}", flush=True)
         if "c" in parts and setting == "on":
@@ -311,7 +317,7 @@ def main() -> None:
     parser.add_argument("--parts", default="a,b,c")
     parser.add_argument("--lows", type=int, default=32)
     parser.add_argument("--low-tokens", type=int, default=512)
-    parser.add_argument("--fair-rate", type=float, default=5.0, help="requests/s of each tenant in part b")
+    parser.add_argument("--fair-clients", type=int, default=12, help="back-to-back clients per tenant in part b")
     parser.add_argument("--long-prompt", type=int, default=2000, help="prompt tokens of part b's long tenant")
     parser.add_argument("--short-prompt", type=int, default=50, help="prompt tokens of part b's short tenant")
     parser.add_argument("--slo-rate", type=float, default=1.0, help="requests/s in part c")
