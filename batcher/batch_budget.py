@@ -7,6 +7,7 @@ from batcher.events import DropReason
 from batcher.fair_queue import Held
 from batcher.workers import Capacity, blocks_needed
 from llmserve.queue import is_expired
+from llmserve.v1 import inference_pb2
 
 
 class BatchBudget:
@@ -18,6 +19,8 @@ class BatchBudget:
         self.seqs = min(limits.max_batch, cap.free_seqs)
         self.tokens = 0
         self.blocks = cap.free_blocks
+        # HIGH items may also take what they can preempt (batcher/workers.py Capacity.room)
+        self.preempt_seqs, self.preempt_blocks = cap.preemptible_seqs, cap.preemptible_blocks
         self.largest_total = largest_total   # of any accepting worker: more than that never fits
         self.now_ms = stamp_ms
         self.drops: dict[Held, tuple[Held, DropReason, str]] = {}
@@ -33,13 +36,25 @@ class BatchBudget:
             self.drops[held] = (held, DropReason.TOO_LARGE, f"needs {need} blocks, largest worker has "
                                                            f"{self.largest_total}")
             return True
-        if self.seqs <= 0 or need > self.blocks:
+        high = held.item.priority == inference_pb2.PRIORITY_HIGH
+        seqs = self.seqs + (self.preempt_seqs if high else 0)
+        blocks = max(0, self.blocks) + (self.preempt_blocks if high else 0)
+        if seqs <= 0 or need > blocks:
             return False
         first = self.tokens == 0
         if not first and self.tokens + held.prompt_tokens > self.limits.prefill_token_budget:
             return False
-        self.seqs -= 1
-        self.blocks -= need
+        self._take(need, high)
         self.reserved_blocks += need
         self.tokens += held.prompt_tokens
         return True
+
+    def _take(self, need: int, high: bool) -> None:
+        """Spend free room first; a HIGH item spends preemptible room for the rest."""
+        from_free = min(need, max(0, self.blocks)) if high else need
+        self.blocks -= from_free
+        self.preempt_blocks -= need - from_free
+        if self.seqs > 0 or not high:
+            self.seqs -= 1
+        else:
+            self.preempt_seqs -= 1

@@ -32,6 +32,9 @@ class BatchLimits:
     prefill_token_budget: int
 
 
+FAIR_SHARES = ("tokens", "requests")
+
+
 @dataclass
 class BatcherSettings(CommonSettings):
     models: str = setting("smollm2-135m", "comma list of model ids to batch for, or @FILE: every model of a "
@@ -44,6 +47,8 @@ class BatcherSettings(CommonSettings):
             "or @FILE (.json/.yaml) holding it")
     read_ahead: int = setting(
         2048, "items read ahead into local per-tenant queues, per model and priority (fairness window)")
+    fair_share: str = setting("tokens", "what tenants share fairly within a priority: tokens (prompt + "
+                                        "new tokens over the tenant's weight, VTC) or requests (round-robin)")
     heartbeat_ttl_ms: int = setting(3000, "a worker whose heartbeat is older is silent: no dispatch, reclaimed")
     capacity_grace_ms: int = setting(
         300, "local capacity reservations live until a heartbeat this much newer than the dispatch")
@@ -61,6 +66,7 @@ class BatcherSettings(CommonSettings):
         super().validate()
         require(bool(self.model_list()), "models", "must name at least one model")
         require(self.read_ahead >= 1, "read_ahead", "must be >= 1")
+        require(self.fair_share in FAIR_SHARES, "fair_share", f"must be one of {', '.join(FAIR_SHARES)}")
         require(self.heartbeat_ttl_ms > 0, "heartbeat_ttl_ms", "must be > 0")
         require(self.workers_poll_ms > 0, "workers_poll_ms", "must be > 0")
         require(0.0 <= self.decode_reserve <= 1.0, "decode_reserve", "must be in 0..1")

@@ -16,16 +16,25 @@ The least-served tenant goes next (ties: the one served longest ago), so tenants
 get tokens in proportion to their weights whatever their prompt lengths, and a
 tenant alone gets everything. A tenant that (re)joins the class is lifted to the
 least counter of the active tenants (the highest seen, when none is), so idling
-banks no credit.
+banks no credit. With `count_tokens` off (batcher --fair-share requests) every item
+costs 1 / weight: request round-robin, the baseline bench/scheduling.py compares with.
+
+Latency targets come first within a class (earliest deadline first): an item with a TTFT
+target has a next-token deadline (llmserve/slo.py); each tenant's queue is kept in deadline
+order (items without one after, in read order), and while any tenant's head has a deadline,
+the head with the earliest goes next, whatever the counters say. It is still charged, so a
+tenant whose work carries targets pays for it in the token share of the untargeted rest.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import bisect
+import math
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from llmserve import keys
+from llmserve import keys, slo
 from llmserve.v1 import queue_pb2
 
 
@@ -48,6 +57,11 @@ class Held:
         return len(self.item.prompt_token_ids) + len(self.item.generated_token_ids)
 
     @property
+    def deadline_ms(self) -> float:
+        """The item's next-token deadline (unix ms; infinite without a TTFT target)."""
+        return slo.item_deadline_ms(self.item)
+
+    @property
     def virtual_tokens(self) -> float:
         """What serving this item adds to its tenant's counter: context plus the new tokens it may
         still generate, over the tenant's weight."""
@@ -57,18 +71,20 @@ class Held:
 
 @dataclass
 class _ClassQueue:
-    """One priority class: a FIFO per tenant (active tenants only), served least-served first."""
+    """One priority class: a queue per tenant (active tenants only, each in deadline order, then
+    read order), served earliest head deadline first, else least-served first."""
 
-    tenants: OrderedDict[str, deque[Held]] = field(default_factory=OrderedDict)
+    tenants: OrderedDict[str, list[Held]] = field(default_factory=OrderedDict)
     served: dict[str, float] = field(default_factory=dict)   # tenant → virtual tokens served
     size: int = 0
+    count_tokens: bool = True
 
     def push(self, held: Held) -> None:
         tenant = held.item.tenant
         if tenant not in self.tenants:
             self._lift(tenant)
-            self.tenants[tenant] = deque()
-        self.tenants[tenant].append(held)
+            self.tenants[tenant] = []
+        bisect.insort_right(self.tenants[tenant], held, key=_deadline)   # equal deadlines keep read order
         self.size += 1
 
     def _lift(self, tenant: str) -> None:
@@ -78,13 +94,13 @@ class _ClassQueue:
         self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
 
     def take(self, admit: Callable[[Held], bool]) -> Iterator[Held]:
-        """Least-served tenant first, one item at a time, while `admit` accepts.
+        """Earliest head deadline, else least-served tenant first, one item at a time, while `admit` accepts.
 
         A tenant whose head item is refused sits out the rest of this batch.
         """
         blocked: set[str] = set()
         while self.size:
-            tenant = self.least_served(blocked)
+            tenant = self.next_tenant(blocked)
             if tenant is None:
                 return
             if not admit(self.tenants[tenant][0]):
@@ -92,16 +108,20 @@ class _ClassQueue:
                 continue
             yield self._pop(tenant)
 
-    def least_served(self, blocked: Collection[str] = ()) -> str | None:
-        """The active tenant with the least counter; ties go to the one served longest ago."""
+    def next_tenant(self, blocked: Collection[str] = ()) -> str | None:
+        """The tenant whose head has the earliest deadline; with none, the one with the least counter
+        (ties: the one served longest ago)."""
         candidates = [t for t in self.tenants if t not in blocked]
+        urgent = min(candidates, key=lambda t: self.tenants[t][0].deadline_ms, default=None)
+        if urgent is not None and not math.isinf(self.tenants[urgent][0].deadline_ms):
+            return urgent
         return min(candidates, key=self.served.__getitem__, default=None)
 
     def _pop(self, tenant: str) -> Held:
         fifo = self.tenants.pop(tenant)
-        held = fifo.popleft()
+        held = fifo.pop(0)
         self.size -= 1
-        self.served[tenant] += held.virtual_tokens
+        self.served[tenant] += held.virtual_tokens if self.count_tokens else 1 / (held.item.tenant_weight or 1.0)
         if fifo:
             self.tenants[tenant] = fifo  # re-inserted at the back: it now loses ties
         return held
@@ -110,7 +130,7 @@ class _ClassQueue:
         removed: list[Held] = []
         for tenant in list(self.tenants):
             fifo = self.tenants[tenant]
-            keep = deque(h for h in fifo if not pred(h))
+            keep = [h for h in fifo if not pred(h)]
             removed += [h for h in fifo if pred(h)]
             if keep:
                 self.tenants[tenant] = keep
@@ -127,8 +147,8 @@ class _ClassQueue:
 class FairQueue:
     """Per-priority, per-tenant queues of held items; see the module docstring."""
 
-    def __init__(self) -> None:
-        self._classes: dict[int, _ClassQueue] = {p: _ClassQueue() for p in keys.PRIORITY_ORDER}
+    def __init__(self, count_tokens: bool = True) -> None:
+        self._classes: dict[int, _ClassQueue] = {p: _ClassQueue(count_tokens=count_tokens) for p in keys.PRIORITY_ORDER}
         self._refs: set[tuple[str, str]] = set()
         self.prompt_tokens = 0  # of everything held
 
@@ -151,10 +171,10 @@ class FairQueue:
         return True
 
     def peek(self) -> queue_pb2.WorkItem | None:
-        """The item the next `take` offers first (highest class, its least-served tenant)."""
+        """The item the next `take` offers first (highest class, its next tenant's head)."""
         for priority in keys.PRIORITY_ORDER:
             queue = self._classes[priority]
-            tenant = queue.least_served()
+            tenant = queue.next_tenant()
             if tenant is not None:
                 return queue.tenants[tenant][0].item
         return None
@@ -177,8 +197,8 @@ class FairQueue:
         return removed
 
     def oldest_read_at(self) -> float | None:
-        """When the longest-waiting item started waiting (heads only: each FIFO is in read order)."""
-        return min((f[0].read_at for q in self._classes.values() for f in q.tenants.values()), default=None)
+        """When the longest-waiting item started waiting."""
+        return min((h.read_at for h in self), default=None)
 
     def __iter__(self) -> Iterator[Held]:
         for q in self._classes.values():
@@ -186,6 +206,10 @@ class FairQueue:
 
     def extend(self, items: Iterable[Held]) -> int:
         return sum(self.push(h) for h in items)
+
+
+def _deadline(held: Held) -> float:
+    return held.deadline_ms
 
 
 def _priority_class(priority: int) -> int:

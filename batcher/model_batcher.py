@@ -64,7 +64,7 @@ class ModelBatcher:
         self.model, self.shard, self.consumer = model, shard, consumer
         self.limits = settings.limits_for(model)
         self.streams: dict[int, str] = {p: keys.work_stream(model, p, shard) for p in keys.PRIORITY_ORDER}
-        self.queue = FairQueue()
+        self.queue = FairQueue(count_tokens=settings.fair_share == "tokens")
         self.rehome_to = rehome_to
         self.pool = WorkerPool(settings.heartbeat_ttl_ms, settings.capacity_grace_ms)
         self.reclaimer = Reclaimer(ReclaimContext(
@@ -339,6 +339,7 @@ class ModelBatcher:
         if now - self._reclaimed_at >= self.settings.reclaim_interval_ms / 1000:
             self._reclaimed_at = now
             await self._drop_expired()
+            await self._drop_cancelled()
             await self.reclaimer.sweep()
             await self._rehome_held()
 
@@ -365,6 +366,20 @@ class ModelBatcher:
         expired = self.queue.remove_if(lambda h: queue.is_expired(h.item, stamp))
         if expired:
             await self.drop([(h, DropReason.DEADLINE, "") for h in expired])
+
+    async def _drop_cancelled(self) -> None:
+        """End held items whose request was cancelled, whether or not any worker has room now: a
+        cancelled backlog must not wait for capacity to leave the queue (and its depth)."""
+        held = [h for h in self.queue if h.item.cancel_key]
+        if not held:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for h in held:
+            pipe.exists(h.item.cancel_key)
+        cancelled = {h.ref for h, found in zip(held, await pipe.execute()) if found}
+        if cancelled:
+            gone = self.queue.remove_if(lambda h: h.ref in cancelled)
+            await self.drop([(h, DropReason.CANCELLED, "") for h in gone])
 
     async def _touch(self, older_than: float) -> None:
         """Keep held entries from looking idle, so no replica reclaims what we still hold."""

@@ -16,6 +16,11 @@ recently used cached KV blocks (`llmserve/prefix_hash.py`). A batch goes to the
 worker that already holds the longest run of its first item's leading blocks,
 provided that item fits there and the worker is not much busier than the others;
 otherwise to the one with the most free blocks.
+
+Priority: a HIGH item that fits no worker's free room goes to a full worker where
+preemption makes room for it (its heartbeat's preemptible sequences and their blocks),
+the one that must preempt least: the most free blocks, then the most preemptible room.
+The worker's scheduler then takes the slot of its lowest, newest running sequence at once.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes
-from llmserve.v1 import queue_pb2
+from llmserve.v1 import inference_pb2, queue_pb2
 
 # When a worker does not report max_running, sequence slots are not the limit.
 _UNBOUNDED = 1 << 30
@@ -38,6 +43,14 @@ class Capacity:
     block_size: int
     total_blocks: int
     cached_prefix: frozenset[int] = frozenset()   # chain hashes of recently used cached blocks
+    preemptible_seqs: int = 0      # running below HIGH: room a HIGH item can take by preemption
+    preemptible_blocks: int = 0
+
+    def room(self, priority: int) -> tuple[int, int]:
+        """(sequence slots, KV blocks) an item of `priority` may take here: HIGH adds what it can preempt."""
+        if priority != inference_pb2.PRIORITY_HIGH:
+            return self.free_seqs, self.free_blocks
+        return max(0, self.free_seqs) + self.preemptible_seqs, max(0, self.free_blocks) + self.preemptible_blocks
 
 
 @dataclass
@@ -131,7 +144,11 @@ class WorkerPool:
         sequence slots of the least busy worker (so a hot prefix does not pile work onto one
         worker), and that caches the longest run of `head`'s leading blocks; ties (and no prefix
         anywhere) go to the most free blocks."""
-        open_workers = [c for c in self.accepting(now_ms) if c.free_seqs > 0 and c.free_blocks > 0]
+        accepting = self.accepting(now_ms)
+        open_workers = [c for c in accepting if c.free_seqs > 0 and c.free_blocks > 0]
+        if head is not None and head.priority == inference_pb2.PRIORITY_HIGH and not any(
+                blocks_needed(head, c.block_size, decode_reserve) <= c.free_blocks for c in open_workers):
+            return self._preempting(head, accepting, decode_reserve) or next(iter(open_workers), None)
         if head is None or len(open_workers) < 2:
             return next(iter(open_workers), None)
         most_slots = max(c.free_seqs for c in open_workers)
@@ -147,6 +164,17 @@ class WorkerPool:
 
         return max(open_workers, key=score)   # the first of equals: most free blocks
 
+    @staticmethod
+    def _preempting(head: queue_pb2.WorkItem, accepting: list[Capacity], decode_reserve: float) -> Capacity | None:
+        """The full worker where preemption admits the HIGH `head` and evicts least (most free
+        blocks, then most preemptible room); None when preemption makes room nowhere."""
+        def fits(cap: Capacity) -> bool:
+            slots, blocks = cap.room(inference_pb2.PRIORITY_HIGH)
+            return slots > 0 and blocks_needed(head, cap.block_size, decode_reserve) <= blocks
+
+        candidates = [c for c in accepting if c.preemptible_seqs > 0 and fits(c)]
+        return max(candidates, key=lambda c: (c.free_blocks, c.preemptible_blocks), default=None)
+
     def reserve(self, worker_id: str, blocks: int, seqs: int, now_ms: int) -> None:
         self._workers[worker_id].add(_Reservation(now_ms, blocks, seqs))
 
@@ -154,4 +182,5 @@ class WorkerPool:
         hb = worker.heartbeat
         slots = hb.max_running - hb.running - hb.waiting if hb.max_running else _UNBOUNDED
         return Capacity(worker_id, hb.free_blocks - worker.reserved_blocks, slots - worker.reserved_seqs,
-                        hb.block_size, hb.total_blocks, frozenset(hb.cached_prefix_hashes))
+                        hb.block_size, hb.total_blocks, frozenset(hb.cached_prefix_hashes),
+                        hb.preemptible_seqs, hb.preemptible_blocks)

@@ -1,7 +1,8 @@
 """One call through either front (gRPC or OpenAI HTTP): what both do the same way.
 
     open_call           the caller's key → tenant, the request id bound to every log line, the
-                        deadline, x-model-version (pins an alias's version), x-resume-from
+                        deadline, x-model-version (pins an alias's version), x-resume-from,
+                        x-slo-ttft-ms / x-slo-tpot-ms (gateway/slo.py)
     count / code_of     the request metrics, successes and every failure alike
     ratelimit_headers   the x-ratelimit-* headers of a successful call
     rejection           the RESOURCE_EXHAUSTED of a quota refusal (counted by tenant and limit)
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 
 import grpc
 
-from gateway import metrics
+from gateway import metrics, slo
 from gateway.quota import Decision
 from gateway.request_state import Call
 from gateway.tenants import TenantRegistry
@@ -53,7 +54,8 @@ def open_call(tenants: TenantRegistry, metadata: Mapping[str, str], request_id: 
     tenant = tenants.authenticate(metadata)
     bind_request(request_id, tenant.id)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s - _DEADLINE_MARGIN_S
-    return Call(tenant, request_id, deadline, _resume_from(metadata), model_version=_model_version(metadata))
+    return Call(tenant, request_id, deadline, _resume_from(metadata), model_version=_model_version(metadata),
+                slo_asked=slo.from_headers(metadata))
 
 
 def _model_version(metadata: Mapping[str, str]) -> str:

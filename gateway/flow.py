@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 import structlog
 
-from gateway import metrics
+from gateway import metrics, slo
 from gateway.calls import REMAINING_REQUESTS, ratelimit_headers, rejection
 from gateway.config import GatewaySettings
 from gateway.model_router import Router
@@ -141,10 +141,15 @@ class Flow:
             model = self.model_for(call, request)
             validate_request(request, self.limits)
             priority = request.priority or call.tenant.priority
-            await self.shedder.check(model.id, priority, call.tenant.id)
+            targets = slo.resolve(slo.from_request(request), call.slo_asked, call.tenant)
+            ahead = await self.shedder.check(model.id, priority, call.tenant.id)
             await self._admit(call)
         try:
             prompt_ids, sampling = await self._prepare(call, request, model)
+            if call.tenant.shed_unmeetable:
+                self.shedder.check_slo(model.id, priority, call.tenant.id, targets.ttft_ms, now_ms() - arrival,
+                                       ahead, len(prompt_ids))
+            call.slo = slo.Admitted(targets, priority, ahead)
             cost = len(prompt_ids) + sampling.max_new_tokens
             await self._reserve(call, cost)
             meta = Meta(call.tenant.id, model.id, len(prompt_ids), cost, list(request.sampling.stop), arrival, 0)
@@ -212,7 +217,9 @@ class Flow:
             sampling=sampling, priority=priority, deadline_unix_ms=deadline_ms, arrival_unix_ms=meta.arrival_ms,
             enqueued_unix_ms=meta.enqueued_ms, events_key=keys.events_stream(call.tenant.id, call.request_id),
             cancel_key=keys.cancel_key(call.tenant.id, call.request_id), cache_salt=call.tenant.cache_salt,
-            tenant_weight=call.tenant.weight, trace_context=tracing.inject())
+            tenant_weight=call.tenant.weight, trace_context=tracing.inject(),
+            slo_ttft_ms=call.slo.targets.ttft_ms if call.slo else 0,
+            slo_tpot_ms=call.slo.targets.tpot_ms if call.slo else 0)
 
     async def _enqueue(self, call: Call, meta: Meta, item: queue_pb2.WorkItem) -> None:
         key = keys.request_meta(call.tenant.id, call.request_id)
@@ -233,6 +240,7 @@ class Flow:
         model = self.tokenizers.get(meta.model)
         builder = OutputBuilder(call.request_id, model.tokenizer, meta.stops)
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
+        stream_slo = slo.StreamSlo(self.shedder.estimate, call.slo, call.tenant.id, meta.model, meta.enqueued_ms)
         lease = await self._attach(call)
         metrics.IN_FLIGHT.inc()
         span = tracing.start_span("stream")
@@ -247,6 +255,7 @@ class Flow:
                     chunk.usage.CopyFrom(watch.usage(builder, meta))
                     outcome = StreamOutcome.STOPPED if chunk.finish_reason == pb.FINISH_REASON_STOP and \
                         not event.final else StreamOutcome.FINISHED
+                stream_slo.chunk(chunk, watch)
                 if chunk.index >= call.resume_from:
                     yield chunk
                 if builder.done:

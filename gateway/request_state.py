@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 
+from gateway.slo import Admitted, Asked
 from gateway.tenants import Tenant
 
 
@@ -35,6 +36,8 @@ class Call:
     headers: list[tuple[str, str]] = field(default_factory=list)  # ratelimit headers for initial metadata
     model_version: str = ""                   # metadata x-model-version: pins the version of an alias
     served_model: str = ""                    # the concrete NAME@VERSION, once routed (x-served-model)
+    slo_asked: Asked = Asked()                # metadata / headers x-slo-ttft-ms, x-slo-tpot-ms
+    slo: Admitted | None = None               # set when this call submitted the request (gateway/slo.py)
 
 
 @dataclass

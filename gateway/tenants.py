@@ -13,6 +13,9 @@
         cache_group: ""          # optional: tenants of one group share prefix-cache hits
         raw_special_tokens: false   # optional: special tokens spelled in `prompt` act as control tokens
         weight: 1                # optional: share of tokens when tenants compete (batcher/fair_queue.py)
+        slo_ttft_ms: 0           # optional defaults of requests that set no target (0 = none; llmserve/slo.py)
+        slo_tpot_ms: 0
+        shed_unmeetable: false   # optional: refuse early a request whose TTFT target can no longer be met
 
 Prefix-cache isolation: every work item carries the tenant's `cache_salt`, which
 enters the KV block hash chain. Without a cache_group each tenant has a salt of its
@@ -40,11 +43,13 @@ import structlog
 import yaml
 
 from llmserve.errors import Unauthenticated
+from llmserve.slo import Targets
 from llmserve.v1 import inference_pb2 as pb
 
 logger = structlog.get_logger(__name__)
 
 PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
+MAX_SLO_MS = 3_600_000   # a latency target above an hour is a typo, not a target
 
 
 class TenantsError(ValueError):
@@ -65,6 +70,8 @@ class Tenant:
     cache_group: str = ""
     raw_special_tokens: bool = False
     weight: float = 1.0
+    slo: Targets = Targets()          # defaults of requests that set no target
+    shed_unmeetable: bool = False     # refuse early what cannot meet its TTFT target (gateway/shedding.py)
 
     @property
     def cache_salt(self) -> str:
@@ -115,7 +122,16 @@ def parse_tenant(raw: dict) -> Tenant:
         cache_group=_cache_group(raw, tenant_id),
         raw_special_tokens=_flag(raw, "raw_special_tokens", tenant_id),
         weight=_positive({"weight": 1, **raw}, "weight", tenant_id, float),
+        slo=Targets(_slo_ms(raw, "slo_ttft_ms", tenant_id), _slo_ms(raw, "slo_tpot_ms", tenant_id)),
+        shed_unmeetable=_flag(raw, "shed_unmeetable", tenant_id),
     )
+
+
+def _slo_ms(raw: dict, name: str, tenant_id: str) -> int:
+    value = raw.get(name, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SLO_MS:
+        raise TenantsError(f"tenant {tenant_id}: {name} must be an integer 0..{MAX_SLO_MS} (0 = no target)")
+    return value
 
 
 def _flag(raw: dict, name: str, tenant_id: str) -> bool:

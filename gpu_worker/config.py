@@ -32,6 +32,12 @@ class WorkerSettings(CommonSettings):
     max_running: int = setting(32, "sequences running at once")
     max_batched_tokens: int = setting(512, "tokens per forward step (decodes + prefill chunks)")
     prefix_caching: bool = setting(True, "reuse KV of shared prompt prefixes")
+    priority_preemption: bool = setting(True, "a HIGH request that finds the worker full preempts the lowest-"
+                                              "priority, newest running sequences (gpu_worker/engine/scheduler.py)")
+    fair_share: str = setting("tokens", "what tenants share fairly in admission: tokens (VTC, prompt and "
+                                        "generated, over the tenant's weight) or requests (round-robin)")
+    aging_steps: int = setting(256, "starvation guard: engine steps waited per priority level gained; a LOW "
+                                    "sequence with nothing older ahead waits at most 2x this + 1 steps")
     heartbeat_s: float = setting(0.5, "seconds between heartbeats")
     heartbeat_give_up_s: float = setting(30.0, "seconds heartbeats may fail in a row (Redis down, OOM, READONLY) "
                                                "before the worker fails (exit 1) for its supervisor to replace it")
@@ -56,6 +62,8 @@ class WorkerSettings(CommonSettings):
         require(self.kv_cache_mb > 0, "kv_cache_mb", "must be > 0")
         require(self.num_blocks >= 0, "num_blocks", "must be >= 0")
         require(self.max_running >= 1, "max_running", "must be >= 1")
+        require(self.aging_steps >= 1, "aging_steps", "must be >= 1")
+        require(self.fair_share in ("tokens", "requests"), "fair_share", "must be tokens or requests")
         require(self.max_batched_tokens >= self.max_running, "max_batched_tokens",
                 "must be >= max_running (every running sequence decodes one token per step)")
         require(self.heartbeat_s > 0, "heartbeat_s", "must be > 0")

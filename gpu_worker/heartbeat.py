@@ -54,7 +54,8 @@ class Heartbeat:
             worker_id=self.worker_id, model=self.model, free_blocks=s.free_blocks, total_blocks=s.total_blocks,
             block_size=self.block_size, running=s.running, waiting=s.waiting, max_running=self.max_running,
             draining=self.draining(), sent_unix_ms=now_ms(), cached_prefix_hashes=list(s.cached_prefix_hashes),
-            admin_address=self.admin_address,
+            admin_address=self.admin_address, preemptible_seqs=s.preemptible_seqs,
+            preemptible_blocks=s.preemptible_blocks,
         )
 
     async def beat(self) -> None:

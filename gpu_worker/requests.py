@@ -6,7 +6,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from gpu_worker.engine.sequence import SamplingParams, Sequence
-from llmserve import queue
+from llmserve import queue, slo
 from llmserve.clock import now_ms
 from llmserve.grammar import GrammarCache, GrammarError
 from llmserve.v1 import queue_pb2
@@ -63,7 +63,9 @@ class Tracked:
     def from_item(cls, item: queue_pb2.WorkItem, entry_id: str) -> Tracked:
         seq = Sequence(list(item.prompt_token_ids), sampling_params(item),
                        prior_output_ids=list(item.generated_token_ids), request_id=item.request_id,
-                       cache_salt=item.cache_salt, priority=item.priority)
+                       cache_salt=item.cache_salt, priority=item.priority, slo=slo.targets_of(item),
+                       arrival_unix_ms=item.arrival_unix_ms, tenant=item.tenant,
+                       tenant_weight=item.tenant_weight or 1.0)
         return cls(item, seq, entry_id)
 
     def expired(self, at_ms: int) -> bool:

@@ -63,7 +63,9 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
         raise ValueError(f"kv_cache_mb={settings.kv_cache_mb} gives {num_blocks} blocks; need >= {MIN_BLOCKS}")
     config = EngineConfig(num_blocks=num_blocks, block_size=settings.block_size,
                           max_num_seqs=settings.max_running, max_num_batched_tokens=settings.max_batched_tokens,
-                          enable_prefix_caching=settings.prefix_caching)
+                          enable_prefix_caching=settings.prefix_caching,
+                          priority_preemption=settings.priority_preemption, aging_steps=settings.aging_steps,
+                          fair_tokens=settings.fair_share == "tokens")
     engine = LLMEngine.create(model, config, constraints=load_constraints(settings.model, model.config.vocab_size))
     logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)

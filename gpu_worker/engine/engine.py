@@ -35,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     priority_preemption: bool = True     # scheduler.py step 0
     aging_steps: int = 256               # starvation guard: waited steps per priority level
+    fair_tokens: bool = True             # tenants share admission by tokens (VTC), else by requests
 
 
 @dataclass
@@ -76,7 +77,8 @@ class LLMEngine:
         self.context_length: int = model.config.context_length
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.priority_preemption, config.aging_steps),
+                                                   config.priority_preemption, config.aging_steps,
+                                                   config.fair_tokens),
                                    self.block_manager)
         self.constraints = constraints
         self.sampler = Sampler(constraints)
@@ -232,6 +234,7 @@ class LLMEngine:
     def stats(self, prefix_hashes: int = 0) -> EngineStats:
         """What the engine holds and did so far; with the `prefix_hashes` hottest cached block hashes."""
         bm = self.block_manager
+        preemptible_seqs, preemptible_blocks = self.scheduler.preemptible_by_high()
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             free_blocks=bm.num_free_blocks, total_blocks=self.config.num_blocks, kv_usage=bm.usage,
@@ -240,6 +243,7 @@ class LLMEngine:
             prefix_hit_rate=bm.stats.hit_rate,
             cached_prefix_hashes=tuple(bm.cached_hashes(prefix_hashes)) if prefix_hashes else (),
             roofline=self.roofline.stats,
+            preemptible_seqs=preemptible_seqs, preemptible_blocks=preemptible_blocks,
         )
 
     def reset_stats(self) -> None:
@@ -285,3 +289,5 @@ class EngineStats:
     prefix_hit_rate: float
     cached_prefix_hashes: tuple[int, ...] = ()
     roofline: RooflineStats = RooflineStats()  # bytes the steps read against their time and the probe
+    preemptible_seqs: int = 0           # running below HIGH: what a HIGH arrival may preempt
+    preemptible_blocks: int = 0         # the KV blocks those alone hold

@@ -2,9 +2,12 @@
 
 Every step:
 
-    0. the waiting queue is put in rank order (higher level first, then older first);
+    0. the waiting queue is put in rank order (higher level first; within a level, sequences
+       that waited the full aging bound oldest first, then earliest next-token deadline first,
+       then the least-served tenant's first, then older first);
        while its head cannot be admitted for want of slots or KV blocks, it preempts the
-       running sequences that rank below it, lowest level and most recently started first,
+       running sequences below its level (or of its level and younger), lowest level and most
+       recently started first,
        as few as make it fit (none if even all of them would not), and is admitted at once;
     1. running sequences, oldest first, each takes min(uncomputed tokens, budget left):
        one token for a decode, a chunk for a long prefill (chunked prefill);
@@ -16,10 +19,18 @@ Preemption is recompute: blocks are freed, output so far is kept, the sequence w
 
 A sequence's level is its priority (LOW 1, NORMAL 2, HIGH 3; unspecified is NORMAL) plus one
 per `aging_steps` steps it has spent waiting, over all its waits, capped at HIGH (the starvation
-guard). Sequences of one level rank by age, so after (HIGH - p) * aging_steps waited steps a
-priority-p sequence ranks above every HIGH sequence younger than it: no later arrival can pass
-it in the queue or preempt it, and it preempts younger running sequences itself. So with nothing
-older ahead of it, a LOW sequence waits at most 2 * aging_steps + 1 steps.
+guard). Once a sequence has waited 2 * aging_steps steps it is at HIGH and ranks above every
+sequence that has not (deadlines aside), oldest first among those that have: no later arrival can
+pass it in the queue or preempt it, and it preempts younger running sequences itself. So with
+nothing older ahead of it, a LOW sequence waits at most 2 * aging_steps + 1 steps.
+
+Deadlines (SLO targets, llmserve/slo.py) order the queue within a level only; they never make
+one sequence preempt another of its level.
+
+Tenants share the worker by tokens (VTC, as the batcher's fair queue does): every token a step
+computes for a sequence (prefill chunk or decode) adds 1 / tenant_weight to its tenant's
+counter, and a tenant that (re)joins starts at the least counter of the active tenants. With
+`fair_tokens` off each admission counts 1 / weight instead (request round-robin, a baseline).
 
 Sequences that finish, are cancelled or expire leave through `finish()` at once and free
 their blocks. Policy lives here; block bookkeeping in `BlockManager`.
@@ -43,6 +54,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512    # tokens in one forward (decodes + prefill chunks)
     priority_preemption: bool = True     # step 0: a higher-ranked waiting sequence evicts running ones
     aging_steps: int = 256               # waited steps per level gained (LOW waits <= 2x this + 1)
+    fair_tokens: bool = True             # tenants share by tokens computed; False: by admissions (round-robin)
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.served: dict[str, float] = {}     # tenant → virtual tokens computed (token fairness)
 
     def add(self, seq: Sequence) -> None:
+        self._lift(seq.tenant)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    def _lift(self, tenant: str) -> None:
+        """A tenant with nothing here starts at the least counter of the active ones: idling banks no credit."""
+        active = {s.tenant for s in (*self.waiting, *self.running)}
+        if tenant in active:
+            return
+        floor = min((self.served.get(t, 0.0) for t in active), default=self.served.get(tenant, 0.0))
+        self.served[tenant] = max(self.served.get(tenant, 0.0), floor)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,7 +135,13 @@ class Scheduler:
             self._admit_waiting(out, budget)
         for seq in self.waiting:
             seq.waited_steps += 1
+        if self.config.fair_tokens:
+            for item in out.scheduled:
+                self._charge(item.seq, item.num_tokens)
         return out
+
+    def _charge(self, seq: Sequence, cost: float) -> None:
+        self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + cost / (seq.tenant_weight or 1.0)
 
     # --- rank --------------------------------------------------------------------------------
     def level(self, seq: Sequence) -> int:
@@ -121,17 +149,36 @@ class Scheduler:
         base = seq.priority if seq.priority in _PRIORITIES else inference_pb2.PRIORITY_NORMAL
         return min(_PRIORITIES[-1], base + seq.waited_steps // self.config.aging_steps)
 
+    def aged(self, seq: Sequence) -> bool:
+        """Waited the whole aging bound: it ranks by age alone, ahead of every deadline."""
+        return seq.waited_steps >= 2 * self.config.aging_steps
+
     def _rank(self, seq: Sequence) -> tuple[int, int]:
-        """Higher is served first: level, then age (sequence ids grow with creation)."""
+        """Who may preempt whom: level, then age (sequence ids grow with creation)."""
         return self.level(seq), -seq.seq_id
 
+    def _queue_rank(self, seq: Sequence) -> tuple[int, bool, float, float, int]:
+        """Higher is served first: level, aged, earliest deadline, least-served tenant, then age
+        (an aged sequence ranks by age alone)."""
+        if self.aged(seq):
+            return self.level(seq), True, 0.0, 0.0, -seq.seq_id
+        return self.level(seq), False, -seq.deadline_ms, -self.served.get(seq.tenant, 0.0), -seq.seq_id
+
     def _order_waiting(self) -> None:
-        self.waiting = deque(sorted(self.waiting, key=self._rank, reverse=True))
+        self.waiting = deque(sorted(self.waiting, key=self._queue_rank, reverse=True))
 
     def _victims(self, candidates: list[Sequence]) -> list[Sequence]:
         """`candidates` (in start order) in the order they are preempted: lowest level, newest first."""
         newest_first = candidates[::-1]
         return sorted(newest_first, key=self.level)
+
+    def preemptible_by_high(self) -> tuple[int, int]:
+        """(running sequences below HIGH, the KV blocks they alone hold): the room a HIGH arrival
+        could make by preemption; (0, 0) with priority preemption off."""
+        if not self.config.priority_preemption:
+            return 0, 0
+        below = [s for s in self.running if self.level(s) < _PRIORITIES[-1]]
+        return len(below), sum(self.blocks.num_exclusive_blocks(s) for s in below)
 
     # --- step 0: priority preemption ---------------------------------------------------------
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> tuple[int, list[Sequence]]:
@@ -225,6 +272,8 @@ class Scheduler:
             seq.num_cached_prompt_tokens = min(allocation.num_cached_tokens, seq.num_prompt_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if not self.config.fair_tokens:
+            self._charge(seq, 1.0)              # request round-robin: one per (re)admission
         num = min(seq.num_uncomputed, budget)
         out.scheduled.append(ScheduledSeq(seq, num))
         return budget - num

@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.slo import Targets, next_token_deadline_ms
 from llmserve.v1 import inference_pb2
 
 _ids = itertools.count()
@@ -73,6 +74,8 @@ class Sequence:
         request_id: caller's id, carried through for events.
         cache_salt: prefix-cache salt (the work item's); blocks are shared only under the same salt.
         priority: the work item's Priority (HIGH preempts lower running sequences; scheduler.py).
+        slo: latency targets; with arrival_unix_ms they give the next token's deadline (llmserve/slo.py).
+        tenant, tenant_weight: whose request it is and that tenant's share (token-fair admission).
     """
 
     prompt_token_ids: list[int]
@@ -81,6 +84,10 @@ class Sequence:
     request_id: str = ""
     cache_salt: str = ""
     priority: int = inference_pb2.PRIORITY_NORMAL
+    slo: Targets = Targets()
+    arrival_unix_ms: int = 0
+    tenant: str = ""
+    tenant_weight: float = 1.0
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -117,6 +124,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def deadline_ms(self) -> float:
+        """When the next token is due (unix ms); infinite without a TTFT target."""
+        return next_token_deadline_ms(self.arrival_unix_ms, self.slo, self.num_generated)
 
     @property
     def is_finished(self) -> bool:

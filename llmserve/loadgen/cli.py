@@ -20,9 +20,11 @@ from tqdm import tqdm
 
 from llmserve.cli import STATE_DIR
 from llmserve.loadgen import report, roofline
+from llmserve.loadgen.goodput import summarize_goodput
 from llmserve.loadgen.runner import RunSettings, run_closed, run_open
 from llmserve.loadgen.stats import RequestResult, summarize
 from llmserve.loadgen.workload import DistError, WorkloadConfig, build_workload, parse_dist, poisson_arrivals
+from llmserve.slo import Targets
 
 
 class UsageError(ValueError):
@@ -60,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="", help="write the JSON report here")
     p.add_argument("--plot", default="", help="write the PNG plot here (default: next to --output when sweeping)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--slo-ttft-ms", type=int, default=0, help="TTFT target sent with every request; goodput "
+                                                               "counts requests within it (0 = none)")
+    p.add_argument("--slo-tpot-ms", type=int, default=0, help="time-per-output-token target (0 = none)")
     p.add_argument("--tls", action="store_true", help="connect with TLS")
     p.add_argument("--root-cert", default="", help="PEM root certificate for --tls")
     p.add_argument("--worker-metrics", default="auto",
@@ -82,7 +87,8 @@ def _workload_config(args: argparse.Namespace, requests: int, seed: int) -> Work
 def _run_settings(args: argparse.Namespace) -> RunSettings:
     root = Path(args.root_cert).read_bytes() if args.root_cert else None
     return RunSettings(target=args.target, model=args.model, temperature=args.temperature,
-                       timeout_s=args.timeout, chat=args.chat, tls=args.tls, root_cert=root)
+                       timeout_s=args.timeout, chat=args.chat, tls=args.tls, root_cert=root,
+                       slo=Targets(args.slo_ttft_ms, args.slo_tpot_ms))
 
 
 async def _run_level(args: argparse.Namespace, mode: str, load: float, index: int) -> dict:
@@ -110,7 +116,9 @@ async def _run_level(args: argparse.Namespace, mode: str, load: float, index: in
         arrivals = poisson_arrivals(load, len(specs), random.Random(seed))
         results, wall = await run_open(specs, arrivals, settings, progress)
     bar.close()
-    return {"load": load, "label": label, "summary": summarize(results, wall),
+    summary = summarize(results, wall)
+    summary["goodput"] = summarize_goodput(results, settings.slo, wall)
+    return {"load": load, "label": label, "summary": summary,
             "roofline": roofline.bandwidth(before, await asyncio.to_thread(roofline.scrape, urls))}
 
 
@@ -122,7 +130,8 @@ def _report(args: argparse.Namespace, mode: str, levels: list[dict]) -> dict:
                    "warmup": args.warmup, "prompt_tokens": args.prompt_tokens,
                    "output_tokens": args.output_tokens, "model": args.model, "temperature": args.temperature,
                    "chat": args.chat, "seed": args.seed, "timeout_s": args.timeout,
-                   "worker_metrics": args.worker_metrics},
+                   "worker_metrics": args.worker_metrics,
+                   "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
         "levels": levels,
     }
 

@@ -11,7 +11,8 @@ from pathlib import Path
 COLUMNS = (
     ("load", None), ("ok/req", None), ("req/s", 2), ("tok/s", 1), ("GB/s", 2), ("of-probe", 2),
     ("ttft p50", 3), ("ttft p99", 3),
-    ("itl p50", 4), ("itl p99", 4), ("e2e p50", 3), ("e2e p90", 3), ("e2e p99", 3), ("errors", None),
+    ("itl p50", 4), ("itl p99", 4), ("e2e p50", 3), ("e2e p90", 3), ("e2e p99", 3), ("good/s", 2),
+    ("jain", 3), ("errors", None),
 )
 
 
@@ -23,7 +24,8 @@ def _row(level: dict) -> list:
             s["throughput"]["output_tokens_per_s"], meter.get("achieved_gbps"), meter.get("fraction"),
             s["ttft_s"]["p50"], s["ttft_s"]["p99"],
             s["inter_token_s"]["p50"], s["inter_token_s"]["p99"], s["e2e_s"]["p50"], s["e2e_s"]["p90"],
-            s["e2e_s"]["p99"], ",".join(f"{c}={n}" for c, n in errors.items()) or "-"]
+            s["e2e_s"]["p99"], s.get("goodput", {}).get("goodput_per_s"), s.get("goodput", {}).get("jain_tokens"),
+            ",".join(f"{c}={n}" for c, n in errors.items()) or "-"]
 
 
 def _cell(value, decimals: int | None) -> str:

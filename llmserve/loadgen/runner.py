@@ -15,6 +15,7 @@ import grpc
 
 from llmserve.loadgen.stats import RequestResult
 from llmserve.loadgen.workload import RequestSpec
+from llmserve.slo import Targets
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 
@@ -32,6 +33,7 @@ class RunSettings:
     chat: bool = False                  # send the prompt as one user chat message
     tls: bool = False
     root_cert: bytes | None = None
+    slo: Targets = Targets()            # latency targets sent with every request (0 = none)
 
 
 def open_channel(settings: RunSettings) -> grpc.aio.Channel:
@@ -46,10 +48,14 @@ def open_channel(settings: RunSettings) -> grpc.aio.Channel:
 def build_request(spec: RequestSpec, settings: RunSettings) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=settings.temperature, max_new_tokens=spec.max_new_tokens,
                                  seed=spec.seed)
+    request = pb.GenerateRequest(model=settings.model, sampling=sampling)
+    if settings.slo.any:
+        request.slo_ttft_ms, request.slo_tpot_ms = settings.slo.ttft_ms, settings.slo.tpot_ms
     if settings.chat:
-        return pb.GenerateRequest(model=settings.model, sampling=sampling,
-                                  messages=[pb.ChatMessage(role="user", content=spec.prompt)])
-    return pb.GenerateRequest(model=settings.model, prompt=spec.prompt, sampling=sampling)
+        request.messages.append(pb.ChatMessage(role="user", content=spec.prompt))
+    else:
+        request.prompt = spec.prompt
+    return request
 
 
 async def run_one(stub: inference_pb2_grpc.InferenceStub, spec: RequestSpec, settings: RunSettings) -> RequestResult:

@@ -32,7 +32,7 @@ class ResolvedSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[_inference_pb2.ResponseFormat, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight", "trace_context")
+    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight", "trace_context", "slo_ttft_ms", "slo_tpot_ms")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class WorkItem(_message.Message):
     DISPATCH_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SLO_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     model: str
@@ -74,7 +76,9 @@ class WorkItem(_message.Message):
     dispatch_epoch: int
     tenant_weight: float
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ..., tenant_weight: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    slo_ttft_ms: int
+    slo_tpot_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ..., tenant_weight: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., slo_ttft_ms: _Optional[int] = ..., slo_tpot_ms: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "items", "created_unix_ms")
@@ -123,7 +127,7 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., error: _Optional[_Union[EventError, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admitted_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., final: _Optional[bool] = ..., dispatch_epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("worker_id", "model", "free_blocks", "total_blocks", "block_size", "running", "waiting", "max_running", "draining", "sent_unix_ms", "cached_prefix_hashes", "admin_address")
+    __slots__ = ("worker_id", "model", "free_blocks", "total_blocks", "block_size", "running", "waiting", "max_running", "draining", "sent_unix_ms", "cached_prefix_hashes", "admin_address", "preemptible_seqs", "preemptible_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +140,8 @@ class WorkerHeartbeat(_message.Message):
     SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     ADMIN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_SEQS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     free_blocks: int
@@ -148,4 +154,6 @@ class WorkerHeartbeat(_message.Message):
     sent_unix_ms: int
     cached_prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
     admin_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., sent_unix_ms: _Optional[int] = ..., cached_prefix_hashes: _Optional[_Iterable[int]] = ..., admin_address: _Optional[str] = ...) -> None: ...
+    preemptible_seqs: int
+    preemptible_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., sent_unix_ms: _Optional[int] = ..., cached_prefix_hashes: _Optional[_Iterable[int]] = ..., admin_address: _Optional[str] = ..., preemptible_seqs: _Optional[int] = ..., preemptible_blocks: _Optional[int] = ...) -> None: ...

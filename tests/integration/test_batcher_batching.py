@@ -172,6 +172,17 @@ async def test_cancelled_item_dropped_with_cancelled_event(start_batcher, clean_
     assert h.pending_work(clean_redis) == 0
 
 
+async def test_cancelled_item_held_without_capacity_is_dropped(start_batcher, clean_redis):
+    await start_batcher(max_batch=8, max_wait_ms=10.0)  # no worker: nothing can be dispatched
+    item = h.make_item("cancel-while-held")
+    h.enqueue(clean_redis, item)
+    await asyncio.sleep(0.3)
+    clean_redis.set(item.cancel_key, b"1")
+    event = (await until(lambda: h.events(clean_redis, item), what="final event"))[0]
+    assert (event.final, event.finish_reason) == (True, inference_pb2.FINISH_REASON_CANCELLED)
+    assert h.pending_work(clean_redis) == 0
+
+
 async def test_capacity_never_exceeded_and_draining_or_silent_workers_skipped(start_batcher, clean_redis):
     # 16-token prompt + 16 new tokens = 2 blocks of 16 per item; w1 has room for 5 items.
     h.heartbeat(clean_redis, "w1", free_blocks=10, total_blocks=100)

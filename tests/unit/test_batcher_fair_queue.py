@@ -159,3 +159,46 @@ def test_a_lone_tenant_drains_and_an_idle_tenant_banks_no_credit():
 def test_charge_counts_prior_output_and_the_new_tokens_left():
     held = make_held("r", prompt_len=10, max_new=8, generated=3, weight=2.0)
     assert held.virtual_tokens == (10 + 3 + 5) / 2
+
+
+def make_targeted(request_id: str, tenant: str, arrival_ms: int, ttft_ms: int, priority: int = NORMAL,
+                  tpot_ms: int = 0, generated: int = 0) -> Held:
+    held = make_held(request_id, tenant, priority, generated=generated)
+    held.item.arrival_unix_ms, held.item.slo_ttft_ms, held.item.slo_tpot_ms = arrival_ms, ttft_ms, tpot_ms
+    return held
+
+
+def test_earliest_deadline_first_within_a_class_across_and_within_tenants():
+    q = FairQueue()
+    q.push(make_held("plain-a", "a"))
+    q.push(make_targeted("late-b", "b", arrival_ms=1_000, ttft_ms=5_000))     # due 6,000
+    q.push(make_targeted("soon-a", "a", arrival_ms=2_000, ttft_ms=1_000))     # due 3,000: ahead of plain-a
+    q.push(make_targeted("mid-c", "c", arrival_ms=500, ttft_ms=4_000))        # due 4,500
+    assert take_ids(q, 4) == ["soon-a", "mid-c", "late-b", "plain-a"]
+
+
+def test_deadline_counts_tokens_already_generated_at_the_tpot_target():
+    q = FairQueue()
+    q.push(make_targeted("resumed", "a", arrival_ms=1, ttft_ms=1_000, tpot_ms=100, generated=30))  # due 4,001
+    q.push(make_targeted("fresh", "b", arrival_ms=1_000, ttft_ms=2_000))                         # due 3,000
+    assert take_ids(q, 2) == ["fresh", "resumed"]
+
+
+def test_deadlines_do_not_cross_priority_classes():
+    q = FairQueue()
+    q.push(make_targeted("urgent-low", "a", arrival_ms=1, ttft_ms=1, priority=LOW))
+    q.push(make_held("high", "b", priority=HIGH))
+    assert take_ids(q, 2) == ["high", "urgent-low"]
+
+
+def test_untargeted_items_stay_token_fair_and_in_read_order():
+    q = FairQueue()
+    q.extend([make_held("a0", "a"), make_held("a1", "a"), make_held("b0", "b")])
+    assert take_ids(q, 3) == ["a0", "b0", "a1"]
+
+
+def test_request_round_robin_when_tokens_are_not_counted():
+    q = FairQueue(count_tokens=False)
+    q.extend(make_held(f"long{i}", "long", prompt_len=2000) for i in range(3))
+    q.extend(make_held(f"short{i}", "short", prompt_len=50) for i in range(3))
+    assert take_ids(q, 6) == ["long0", "short0", "long1", "short1", "long2", "short2"]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from batcher.workers import WorkerPool, blocks_needed, cached_run, leading_hashes
+from batcher.batch_budget import BatchBudget
+from batcher.config import BatchLimits
+from batcher.fair_queue import Held
+from batcher.workers import Capacity, WorkerPool, blocks_needed, cached_run, leading_hashes
 from llmserve.prefix_hash import block_hashes
-from llmserve.v1 import queue_pb2
+from llmserve.v1 import inference_pb2, queue_pb2
+
+HIGH, NORMAL = inference_pb2.PRIORITY_HIGH, inference_pb2.PRIORITY_NORMAL
 
 
 def hb(worker_id: str, sent: int, free: int = 100, running: int = 0, max_running: int = 8,
@@ -111,3 +116,34 @@ def test_a_much_busier_worker_loses_its_prefix_preference():
     pool.update({"warm": hb("warm", 100, free=300, running=12, max_running=32, cached=h),
                  "idle": hb("idle", 100, free=400, max_running=32)})
     assert pool.choose(chat_item([7]), 100, 1.0).worker_id == "warm"     # 20 against 32: close enough
+
+
+def full(worker_id: str, free: int, preemptible_seqs: int, preemptible_blocks: int) -> queue_pb2.WorkerHeartbeat:
+    beat = hb(worker_id, 100, free=free, running=8)
+    beat.preemptible_seqs, beat.preemptible_blocks = preemptible_seqs, preemptible_blocks
+    return beat
+
+
+def item(priority: int, prompt: int = 32) -> queue_pb2.WorkItem:
+    return queue_pb2.WorkItem(priority=priority, prompt_token_ids=list(range(prompt)),
+                              sampling=queue_pb2.ResolvedSampling(max_new_tokens=16))
+
+
+def test_high_goes_to_the_full_worker_where_it_preempts_least():
+    pool = WorkerPool(heartbeat_ttl_ms=1000, grace_ms=0)
+    pool.update({"only-high": full("only-high", 50, 0, 0), "tight": full("tight", 0, 2, 6),
+                 "roomy": full("roomy", 10, 1, 2)})
+    assert pool.choose(item(HIGH), 100, 0.0).worker_id == "roomy"      # free blocks: fewest evictions
+    assert pool.choose(item(NORMAL), 100, 0.0) is None                  # nobody preempts for NORMAL
+    pool.update({"only-high": full("only-high", 50, 0, 0), "tight": full("tight", 0, 2, 6)})
+    assert pool.choose(item(HIGH), 100, 0.0).worker_id == "tight"
+    assert pool.choose(item(HIGH, prompt=200), 100, 0.0) is None        # 13 blocks: preemption frees 6
+
+
+def test_a_high_budget_spends_free_room_then_preemptible_room():
+    cap = Capacity("w", free_blocks=2, free_seqs=1, block_size=16, total_blocks=64, preemptible_seqs=2,
+                   preemptible_blocks=4)
+    budget = BatchBudget(BatchLimits(max_batch=8, max_wait_ms=1, prefill_token_budget=10_000), 0.0, cap, 64, 0)
+    admitted = [budget.admit(Held("s", str(i), item(HIGH), 0.0)) for i in range(4)]
+    assert admitted == [True, True, True, False]    # 1 free slot + 2 preemptible; 2 + 4 blocks
+    assert budget.admit(Held("s", "n", item(NORMAL, prompt=1), 0.0)) is False

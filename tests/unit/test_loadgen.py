@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from llmserve.loadgen import main, report
+from llmserve.loadgen.goodput import jain, summarize_goodput
 from llmserve.loadgen.runner import RunSettings, build_request, run_closed, run_open
 from llmserve.loadgen.stats import RequestResult, distribution, percentile, summarize
 from llmserve.loadgen.workload import (
@@ -20,6 +21,7 @@ from llmserve.loadgen.workload import (
     parse_dist,
     poisson_arrivals,
 )
+from llmserve.slo import Targets
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 
@@ -255,3 +257,30 @@ async def test_unreachable_target_counts_unavailable():
     specs = build_workload(make_config(requests=3, api_keys=["good"]))
     results, _ = await run_closed(specs, 2, RunSettings(target="127.0.0.1:1", timeout_s=5))
     assert [r.code for r in results] == ["UNAVAILABLE"] * 3
+
+
+def _result(tenant: int, ttft: float, end: float, tokens: int, prompt: int, code: str = "OK") -> RequestResult:
+    chunks = [ttft + (end - ttft) * i / max(1, tokens - 1) for i in range(tokens)]
+    return RequestResult(tenant=tenant, code=code, start_s=0.0, end_s=end, first_token_s=ttft,
+                         chunk_times_s=chunks, chunk_tokens=[1] * tokens, prompt_tokens=prompt)
+
+
+def test_goodput_counts_requests_within_every_target_and_jain_over_tenant_tokens():
+    results = [_result(0, 0.1, 1.0, 10, 90),             # ttft 100 ms, tpot 100 ms: met
+               _result(0, 0.6, 1.0, 5, 95),              # ttft 600 ms: missed
+               _result(1, 0.1, 3.7, 10, 0),              # tpot 400 ms: missed
+               _result(1, 0.1, 0.2, 2, 0, code="UNAVAILABLE")]
+    summary = summarize_goodput(results, Targets(ttft_ms=500, tpot_ms=200), wall_s=2.0)
+    assert summary["met"] == 1 and summary["goodput_per_s"] == 0.5
+    assert summary["by_tenant"]["0"]["tokens_per_s"] == 100.0 and summary["by_tenant"]["1"]["tokens_per_s"] == 5.0
+    assert summary["jain_tokens"] == jain([100.0, 5.0])
+    assert jain([3.0, 3.0]) == 1.0 and jain([1.0, 0.0]) == 0.5 and jain([]) is None
+    assert summarize_goodput(results, Targets(), wall_s=2.0)["met"] == 3   # no targets: every OK request
+
+
+def test_requests_carry_the_slo_targets_only_when_set():
+    spec = build_workload(WorkloadConfig(requests=1, prompt_tokens=parse_dist("8"), output_tokens=parse_dist("4"),
+                                         api_keys=["k"], seed=0))[0]
+    targeted = build_request(spec, RunSettings(target="x", slo=Targets(300, 40)))
+    assert (targeted.slo_ttft_ms, targeted.slo_tpot_ms) == (300, 40)
+    assert not build_request(spec, RunSettings(target="x")).HasField("slo_ttft_ms")

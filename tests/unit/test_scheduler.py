@@ -5,6 +5,7 @@ from __future__ import annotations
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from llmserve.slo import Targets
 from llmserve.v1 import inference_pb2
 
 BS = 4
@@ -247,3 +248,104 @@ def test_aging_bounds_a_low_sequences_wait_under_a_high_flood():
         sched.add(make_prio(2, 200 + step, HIGH))
         out = sched.schedule()
         assert out.preempted == [] and [s.seq for s in out.scheduled] == [low]
+
+
+# --- deadlines (SLO targets) -------------------------------------------------------------------
+def make_slo(n: int, start: int, priority: int, arrival_ms: int, ttft_ms: int, tpot_ms: int = 0) -> Sequence:
+    return Sequence(list(range(start, start + n)), SamplingParams(temperature=0.0), priority=priority,
+                    slo=Targets(ttft_ms, tpot_ms), arrival_unix_ms=arrival_ms)
+
+
+def test_waiting_queue_is_earliest_deadline_first_within_a_priority():
+    sched = make_prio_scheduler(max_seqs=1)
+    plain = make_prio(2, 0, NORMAL)
+    late = make_slo(2, 10, NORMAL, arrival_ms=1_000, ttft_ms=9_000)    # due 10,000
+    soon = make_slo(2, 20, NORMAL, arrival_ms=5_000, ttft_ms=1_000)    # due 6,000
+    low_urgent = make_slo(2, 30, LOW, arrival_ms=1, ttft_ms=1)          # due first, but LOW
+    for s in (plain, late, soon, low_urgent):
+        sched.add(s)
+    out = sched.schedule()
+    assert plan(out) == [(soon.seq_id, 2)]
+    assert list(sched.waiting) == [late, plain, low_urgent]
+
+
+def test_a_deadline_never_preempts_within_its_priority():
+    sched = make_prio_scheduler(max_seqs=1)
+    running = make_prio(2, 0, NORMAL)
+    sched.add(running)
+    run_step(sched, sched.schedule())
+    urgent = make_slo(2, 10, NORMAL, arrival_ms=1, ttft_ms=1)
+    sched.add(urgent)
+    out = sched.schedule()
+    assert out.preempted == [] and plan(out) == [(running.seq_id, 1)]
+
+
+def test_aging_bound_holds_against_a_flood_of_high_deadlines():
+    aging = 3
+    sched = make_prio_scheduler(max_seqs=1, aging_steps=aging)
+    low = make_prio(2, 0, LOW)
+    sched.add(low)
+    steps_waited = 0
+    for step in range(40):
+        sched.add(make_slo(2, 100 + step, HIGH, arrival_ms=1, ttft_ms=1))   # always due before anyone
+        out = sched.schedule()
+        if low in [s.seq for s in out.scheduled]:
+            break
+        steps_waited += 1
+        run_step(sched, out)
+        for seq in list(sched.running):
+            if seq.output_token_ids:
+                sched.finish(seq)
+    assert steps_waited == 2 * aging
+
+
+def test_preemptible_by_high_counts_running_below_high_and_their_blocks():
+    sched = make_prio_scheduler()
+    for seq in (make_prio(7, 0, LOW), make_prio(3, 10, NORMAL), make_prio(3, 20, HIGH)):
+        sched.add(seq)
+    run_step(sched, sched.schedule())
+    assert sched.preemptible_by_high() == (2, 3)      # LOW holds 2 blocks, NORMAL 1; HIGH is not preemptible
+    assert make_prio_scheduler(preemption=False).preemptible_by_high() == (0, 0)
+
+
+def test_admission_is_token_fair_across_tenants():
+    sched = make_prio_scheduler(max_seqs=2)
+    heavy = Sequence(list(range(40)), SamplingParams(temperature=0.0), tenant="heavy")
+    light = Sequence(list(range(100, 103)), SamplingParams(temperature=0.0), tenant="light")
+    sched.add(heavy)
+    sched.add(light)
+    run_step(sched, sched.schedule())                 # heavy computed 40 tokens, light 3
+    late_heavy = Sequence(list(range(200, 203)), SamplingParams(temperature=0.0), tenant="heavy")
+    light2 = Sequence(list(range(300, 303)), SamplingParams(temperature=0.0), tenant="light")
+    sched.add(late_heavy)                             # older than light2, but its tenant was served more
+    sched.add(light2)
+    sched.finish(heavy)
+    assert plan(sched.schedule()) == [(light.seq_id, 1), (light2.seq_id, 3)]
+    assert sched.served == {"heavy": 40.0, "light": 7.0}
+    assert list(sched.waiting) == [late_heavy]
+
+
+def test_a_tenant_that_rejoins_starts_at_the_least_active_counter():
+    sched = make_prio_scheduler(max_seqs=1)
+    busy = Sequence(list(range(40)), SamplingParams(temperature=0.0), tenant="busy")
+    sched.add(busy)
+    run_step(sched, sched.schedule())
+    sched.add(Sequence(list(range(3)), SamplingParams(temperature=0.0), tenant="idle"))
+    assert sched.served["idle"] == 40.0               # no credit banked while it sent nothing
+
+
+def test_tenant_weight_divides_the_tokens_charged():
+    sched = make_prio_scheduler()
+    seq = Sequence(list(range(8)), SamplingParams(temperature=0.0), tenant="gold", tenant_weight=4.0)
+    sched.add(seq)
+    run_step(sched, sched.schedule())
+    assert sched.served["gold"] == 2.0
+
+
+def test_request_round_robin_charges_one_per_admission():
+    sched = Scheduler(SchedulerConfig(8, 64, fair_tokens=False), BlockManager(16, BS))
+    seq = Sequence(list(range(40)), SamplingParams(temperature=0.0), tenant="t")
+    sched.add(seq)
+    run_step(sched, sched.schedule())
+    run_step(sched, sched.schedule())                 # a decode step admits nobody: no charge
+    assert sched.served["t"] == 1.0

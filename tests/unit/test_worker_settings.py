@@ -23,3 +23,12 @@ def test_quantization_defaults_to_auto_and_takes_the_known_formats():
     assert WorkerSettings.load([], env={"LLMSERVE_QUANTIZATION": "int8"}).quantization == "int8"
     with pytest.raises(SettingsError, match="quantization"):
         WorkerSettings.load(["--quantization", "fp8"], env={})
+
+
+def test_scheduling_settings_reach_flags_and_env_and_are_checked():
+    settings = WorkerSettings.load(["--aging-steps", "64", "--priority-preemption", "false"], env={})
+    assert (settings.aging_steps, settings.priority_preemption) == (64, False)
+    assert WorkerSettings.load([], env={"LLMSERVE_AGING_STEPS": "8"}).aging_steps == 8
+    assert WorkerSettings.load([], env={}).aging_steps == 256
+    with pytest.raises(SettingsError, match="aging_steps"):
+        WorkerSettings.load(["--aging-steps", "0"], env={})
