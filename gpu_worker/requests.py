@@ -23,15 +23,19 @@ def _grammar(item: queue_pb2.WorkItem) -> str:
         return ""
 
 
-def sampling_params(item: queue_pb2.WorkItem) -> SamplingParams:
-    """Engine parameters of a work item; an unset seed is derived from the request (stable across workers)."""
+_MASK64 = (1 << 64) - 1
+
+
+def sampling_params(item: queue_pb2.WorkItem, choice: int = 0) -> SamplingParams:
+    """Engine parameters of a work item's `choice`; an unset seed is derived from the request (stable
+    across workers), and choice i draws with seed + i (docs/logprobs.md)."""
     s = item.sampling
-    seed = s.seed or zlib.crc32(f"{item.tenant}:{item.request_id}".encode())
+    seed = ((s.seed or zlib.crc32(f"{item.tenant}:{item.request_id}".encode())) + choice) & _MASK64
     return SamplingParams(
         temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0, top_k=s.top_k,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
         max_new_tokens=s.max_new_tokens, seed=seed, stop_token_ids=tuple(s.stop_token_ids),
-        grammar=_grammar(item),
+        grammar=_grammar(item), logprobs=s.logprobs, top_logprobs=s.top_logprobs,
     )
 
 
@@ -60,11 +64,21 @@ class Tracked:
     done: bool = False                  # final event written (or handed back)
 
     @classmethod
-    def from_item(cls, item: queue_pb2.WorkItem, entry_id: str) -> Tracked:
-        seq = Sequence(list(item.prompt_token_ids), sampling_params(item),
+    def from_item(cls, item: queue_pb2.WorkItem, entry_id: str, choice: int | None = None,
+                  leader: Sequence | None = None) -> Tracked:
+        """One choice of the item (default: its first_choice)."""
+        choice = item.first_choice if choice is None else choice
+        seq = Sequence(list(item.prompt_token_ids), sampling_params(item, choice),
                        prior_output_ids=list(item.generated_token_ids), request_id=item.request_id,
-                       cache_salt=item.cache_salt, priority=item.priority)
+                       cache_salt=item.cache_salt, priority=item.priority, choice_index=choice, leader=leader)
         return cls(item, seq, entry_id)
+
+    @classmethod
+    def choices_of(cls, item: queue_pb2.WorkItem, entry_id: str) -> list[Tracked]:
+        """Every choice the item runs: its first, then the rest led by it (they share its prefill)."""
+        first = cls.from_item(item, entry_id)
+        rest = [cls.from_item(item, entry_id, item.first_choice + k, first.seq) for k in range(1, max(1, item.n))]
+        return [first, *rest]
 
     def expired(self, at_ms: int) -> bool:
         return queue.is_expired(self.item, at_ms)
@@ -73,6 +87,7 @@ class Tracked:
         """The work item to requeue: same request, with every token produced so far."""
         item = queue_pb2.WorkItem()
         item.CopyFrom(self.item)
+        item.n, item.first_choice = 1, self.seq.choice_index     # each choice goes on alone
         del item.generated_token_ids[:]
         item.generated_token_ids.extend([*self.seq.prior_output_ids, *self.seq.output_token_ids])
         item.enqueued_unix_ms = now_ms()

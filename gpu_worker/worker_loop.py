@@ -202,10 +202,10 @@ class WorkerLoop:
         requests = []
         for item in entry.batch.items:
             problem = validate_item(item, self.engine.vocab_size)
-            tracked = Tracked.from_item(item, entry.entry_id)
-            if not problem:
-                self.engine.prepare(tracked.seq)
-            requests.append((tracked, problem))
+            for tracked in Tracked.choices_of(item, entry.entry_id):
+                if not problem:
+                    self.engine.prepare(tracked.seq)
+                requests.append((tracked, problem))
         return Arrival(entry, requests)
 
     def _accept(self, arrival: Arrival) -> None:
