@@ -73,6 +73,12 @@ class ChoicesBuilder:
         chunk = self.choices[event.choice_index].feed(event)
         if chunk is not None:
             chunk.choice_index = event.choice_index
+        if event.final and not event.dispatch_epoch:
+            # written by the batcher for the whole item (dropped before any worker ran it: cancelled
+            # before it started): no choice has tokens, and none will get an event of its own
+            for choice in self.choices:
+                if not choice.done:
+                    choice.cancelled()
         return chunk
 
     def cancelled(self) -> pb.GenerateResponse:

@@ -43,7 +43,8 @@ def validate_item(item: queue_pb2.WorkItem, vocab_size: int) -> str:
     """Why the item cannot run ("" when it can)."""
     if not item.prompt_token_ids:
         return "prompt_token_ids: empty"
-    if any(t >= vocab_size for t in (*item.prompt_token_ids, *item.generated_token_ids)):
+    generated = [t for c in item.choices for t in c.generated_token_ids]
+    if any(t >= vocab_size for t in (*item.prompt_token_ids, *item.generated_token_ids, *generated)):
         return f"prompt_token_ids: token id outside the vocabulary of {vocab_size}"
     try:
         _GRAMMARS.get(item.sampling.response_format)
@@ -64,31 +65,53 @@ class Tracked:
     done: bool = False                  # final event written (or handed back)
 
     @classmethod
-    def from_item(cls, item: queue_pb2.WorkItem, entry_id: str, choice: int | None = None,
+    def from_item(cls, item: queue_pb2.WorkItem, entry_id: str, choice: int = 0, prior: list[int] | None = None,
                   leader: Sequence | None = None) -> Tracked:
-        """One choice of the item (default: its first_choice)."""
-        choice = item.first_choice if choice is None else choice
-        seq = Sequence(list(item.prompt_token_ids), sampling_params(item, choice),
-                       prior_output_ids=list(item.generated_token_ids), request_id=item.request_id,
-                       cache_salt=item.cache_salt, priority=item.priority, choice_index=choice, leader=leader)
+        """One choice of the item, continuing after `prior` (default: the item's generated_token_ids)."""
+        prior = list(item.generated_token_ids) if prior is None else prior
+        seq = Sequence(list(item.prompt_token_ids), sampling_params(item, choice), prior_output_ids=prior,
+                       request_id=item.request_id, cache_salt=item.cache_salt, priority=item.priority,
+                       choice_index=choice, leader=leader)
         return cls(item, seq, entry_id)
 
     @classmethod
     def choices_of(cls, item: queue_pb2.WorkItem, entry_id: str) -> list[Tracked]:
-        """Every choice the item runs: its first, then the rest led by it (they share its prefill)."""
-        first = cls.from_item(item, entry_id)
-        rest = [cls.from_item(item, entry_id, item.first_choice + k, first.seq) for k in range(1, max(1, item.n))]
-        return [first, *rest]
+        """Every choice the item runs (all n, or the handed-back ones): the first, then the rest led
+        by it (they wait for its prompt, then share its blocks)."""
+        progress = [(c.index, list(c.generated_token_ids)) for c in item.choices] or \
+            [(i, list(item.generated_token_ids)) for i in range(max(1, item.n))]
+        first = cls.from_item(item, entry_id, *progress[0])
+        return [first, *(cls.from_item(item, entry_id, i, prior, first.seq) for i, prior in progress[1:])]
 
     def expired(self, at_ms: int) -> bool:
         return queue.is_expired(self.item, at_ms)
 
     def handoff_item(self) -> queue_pb2.WorkItem:
         """The work item to requeue: same request, with every token produced so far."""
-        item = queue_pb2.WorkItem()
-        item.CopyFrom(self.item)
-        item.n, item.first_choice = 1, self.seq.choice_index     # each choice goes on alone
-        del item.generated_token_ids[:]
-        item.generated_token_ids.extend([*self.seq.prior_output_ids, *self.seq.output_token_ids])
-        item.enqueued_unix_ms = now_ms()
-        return item
+        return handoff_items([self])[0]
+
+    @property
+    def produced(self) -> list[int]:
+        return [*self.seq.prior_output_ids, *self.seq.output_token_ids]
+
+
+def handoff_items(unfinished: list[Tracked]) -> list[queue_pb2.WorkItem]:
+    """The work items to requeue, one per request (a request's choices go back together: one
+    item, one dispatch, so no choice's dispatch fences another's out), with every token produced."""
+    by_item: dict[int, list[Tracked]] = {}
+    for t in unfinished:
+        by_item.setdefault(id(t.item), []).append(t)
+    return [_handoff(group) for group in by_item.values()]
+
+
+def _handoff(group: list[Tracked]) -> queue_pb2.WorkItem:
+    item = queue_pb2.WorkItem()
+    item.CopyFrom(group[0].item)
+    del item.generated_token_ids[:], item.choices[:]
+    if max(1, item.n) == 1:
+        item.generated_token_ids.extend(group[0].produced)
+    else:
+        item.choices.extend(queue_pb2.ChoiceProgress(index=t.seq.choice_index, generated_token_ids=t.produced)
+                            for t in group)
+    item.enqueued_unix_ms = now_ms()
+    return item

@@ -35,7 +35,7 @@ from gpu_worker.engine.engine import EngineStats, LLMEngine, StepOutput
 from gpu_worker.engine.sequence import FINISH_CANCELLED, Failure
 from gpu_worker.events import Emission, EventPublisher
 from gpu_worker.inbox import Inbox, InboxEntry
-from gpu_worker.requests import Tracked, validate_item
+from gpu_worker.requests import Tracked, handoff_items, validate_item
 from gpu_worker.step_thread import StepThread
 from llmserve.clock import now_ms
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
@@ -329,7 +329,7 @@ class WorkerLoop:
 
     def items_to_hand_back(self, unread: list[InboxEntry]) -> tuple[list[queue_pb2.WorkItem], list[str]]:
         """(work items to requeue, inbox entries to ack) for everything not finished here."""
-        items = [t.handoff_item() for t in self.unfinished()]
+        items = handoff_items(self.unfinished())
         items += [item for entry in unread for item in entry.batch.items]
         entries = [*self.state.entries, *(e.entry_id for e in unread)]
         return items, entries

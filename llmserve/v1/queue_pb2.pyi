@@ -32,7 +32,7 @@ class ResolvedSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[_inference_pb2.ResponseFormat, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight", "trace_context", "n", "first_choice")
+    __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight", "trace_context", "n", "choices")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,7 +58,7 @@ class WorkItem(_message.Message):
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
-    FIRST_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     model: str
@@ -77,8 +77,16 @@ class WorkItem(_message.Message):
     tenant_weight: float
     trace_context: _containers.ScalarMap[str, str]
     n: int
-    first_choice: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ..., tenant_weight: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., n: _Optional[int] = ..., first_choice: _Optional[int] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[ChoiceProgress]
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[_Union[_inference_pb2.Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., arrival_unix_ms: _Optional[int] = ..., enqueued_unix_ms: _Optional[int] = ..., events_key: _Optional[str] = ..., cancel_key: _Optional[str] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., deliveries: _Optional[int] = ..., cache_salt: _Optional[str] = ..., dispatch_epoch: _Optional[int] = ..., tenant_weight: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., n: _Optional[int] = ..., choices: _Optional[_Iterable[_Union[ChoiceProgress, _Mapping]]] = ...) -> None: ...
+
+class ChoiceProgress(_message.Message):
+    __slots__ = ("index", "generated_token_ids")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("batch_id", "items", "created_unix_ms")

@@ -12,7 +12,7 @@ from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from gpu_worker.requests import Tracked
+from gpu_worker.requests import Tracked, handoff_items
 from llmserve.v1 import queue_pb2
 
 VOCAB, BLOCK = 128, 4
@@ -32,10 +32,10 @@ def make_model() -> LlamaModel:
 MODEL = make_model()
 
 
-def make_item(n: int, first_choice: int = 0, seed: int = 42) -> queue_pb2.WorkItem:
+def make_item(n: int, seed: int = 42) -> queue_pb2.WorkItem:
     return queue_pb2.WorkItem(request_id="r1", tenant="acme", prompt_token_ids=PROMPT, n=n,
-                              first_choice=first_choice, sampling=queue_pb2.ResolvedSampling(
-                                  temperature=1.0, top_p=1.0, max_new_tokens=8, seed=seed))
+                              sampling=queue_pb2.ResolvedSampling(temperature=1.0, top_p=1.0, max_new_tokens=8,
+                                                                  seed=seed))
 
 
 def run(item: queue_pb2.WorkItem) -> tuple[list[Sequence], LLMEngine]:
@@ -66,13 +66,25 @@ def test_followers_reuse_the_leaders_prompt_blocks():
     assert engine.stats().prefix_hit_rate > 0
 
 
-def test_a_choice_handed_back_alone_continues_as_the_same_choice():
+def test_unfinished_choices_are_handed_back_together_and_continue():
     seqs, _ = run(make_item(3))
-    tracked = Tracked.choices_of(make_item(3), "1-0")[2]
-    for token in seqs[2].output_token_ids[:3]:
-        tracked.seq.append_token(token)
-    item = tracked.handoff_item()
-    assert (item.n, item.first_choice) == (1, 2)
+    choices = Tracked.choices_of(make_item(3), "1-0")
+    for tracked, done in zip(choices, seqs):
+        for token in done.output_token_ids[:3]:
+            tracked.seq.append_token(token)
+    items = handoff_items([choices[0], choices[2]])                     # choice 1 had finished
+    assert len(items) == 1                                              # one item: one dispatch, one fence
+    item = queue_pb2.WorkItem.FromString(items[0].SerializeToString())
+    assert [(c.index, list(c.generated_token_ids)) for c in item.choices] == \
+        [(0, seqs[0].output_token_ids[:3]), (2, seqs[2].output_token_ids[:3])]
     resumed, _ = run(item)
-    assert len(resumed) == 1 and resumed[0].choice_index == 2
-    assert [*resumed[0].prior_output_ids, *resumed[0].output_token_ids] == seqs[2].output_token_ids
+    assert [s.choice_index for s in resumed] == [0, 2]
+    for seq, done in zip(resumed, (seqs[0], seqs[2])):
+        assert [*seq.prior_output_ids, *seq.output_token_ids] == done.output_token_ids
+
+
+def test_a_single_choice_hands_back_its_tokens_as_before():
+    tracked = Tracked.from_item(make_item(1), "1-0")
+    tracked.seq.append_token(9)
+    item = handoff_items([tracked])[0]
+    assert list(item.generated_token_ids) == [9] and not item.choices
