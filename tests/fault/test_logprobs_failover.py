@@ -1,6 +1,10 @@
-"""Logprobs through kill -9 of a worker mid-stream: greedy streams with logprobs on give the
-fault-free run's tokens and logprobs. The gateway keeps the entries it already streamed; the ones
-the reclaimed re-run computes on the other worker (from the start, in another batch) must agree.
+"""Logprobs and n choices through faults mid-stream, each against a fault-free run of the same requests:
+
+- SIGTERM drain with drain timeout 0: seeded n = 2 streams are handed back mid-stream, both choices
+  of a request in one item (WorkItem.choices), and go on on the replacement worker;
+- kill -9 of one of two workers: greedy streams are reclaimed and re-run from the start elsewhere.
+
+The gateway keeps the entries it already streamed; the ones computed after the fault must agree.
 
 Tolerance 1e-4 on a logprob: the re-run's batches differ, so the float sums behind a logit may be
 ordered differently; identical tokens are asserted exactly.
@@ -8,8 +12,12 @@ ordered differently; identical tokens are asserted exactly.
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
+import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -30,23 +38,31 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     config = StackConfig(workers=2, device="cpu", port=0, http_port=0, tenants=TEST_TENANTS,
-                         log_dir=tmp_path_factory.mktemp("logprobs-failover"))
+                         log_dir=tmp_path_factory.mktemp("logprobs-failover"),
+                         extra_flags={"gpu_worker": ["--drain-timeout-s", "0"]})
     running = Stack(config).start()
     yield running
     running.close()
 
 
-def request(prompt: str) -> pb.GenerateRequest:
+def greedy(prompt: str) -> pb.GenerateRequest:
     return pb.GenerateRequest(request_id=f"lp-{uuid.uuid4().hex[:10]}",
                               messages=[pb.ChatMessage(role="user", content=prompt)],
                               sampling=pb.SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True,
                                                          logprobs=True, top_logprobs=3))
 
 
+def seeded_pair(prompt: str) -> pb.GenerateRequest:
+    request = greedy(prompt)
+    request.n, request.sampling.temperature, request.sampling.seed = 2, 0.8, 99
+    return request
+
+
 class Streams:
     """The PROMPTS streamed at once, each in a thread; `started` once every one has its first chunk."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, make: Callable[[str], pb.GenerateRequest]) -> None:
+        self.make = make
         self.channel = grpc.insecure_channel(target)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.results: dict[int, list[pb.GenerateResponse]] = {}
@@ -57,7 +73,7 @@ class Streams:
     def _run(self, i: int) -> None:
         chunks: list[pb.GenerateResponse] = []
         try:
-            for chunk in self.stub.Generate(request(PROMPTS[i]), metadata=AUTH, timeout=600):
+            for chunk in self.stub.Generate(self.make(PROMPTS[i]), metadata=AUTH, timeout=600):
                 chunks.append(chunk)
                 if len(chunks) == 2:
                     self.started.wait(timeout=600)
@@ -71,12 +87,30 @@ class Streams:
         return self
 
     def join(self) -> list[tuple[list[int], list[pb.TokenLogprob]]]:
+        """(token ids, logprobs) of each prompt's each choice."""
         for t in self.threads:
             t.join(timeout=600)
         self.channel.close()
         assert not self.errors, self.errors
-        return [([t for c in self.results[i] for t in c.token_ids], [e for c in self.results[i] for e in c.logprobs])
-                for i in range(len(PROMPTS))]
+        out = []
+        for i in range(len(PROMPTS)):
+            for choice in sorted({c.choice_index for c in self.results[i]}):
+                chunks = [c for c in self.results[i] if c.choice_index == choice]
+                out.append(([t for c in chunks for t in c.token_ids], [e for c in chunks for e in c.logprobs]))
+        return out
+
+
+def fault_free(stack: Stack, make: Callable[[str], pb.GenerateRequest]):
+    streams = Streams(stack.gateway_target, make).start()
+    streams.started.wait(timeout=600)
+    return streams.join()
+
+
+def busiest(stack: Stack, inbox_pending) -> str:
+    pending = inbox_pending(stack)
+    victim = max(pending, key=pending.get)
+    assert pending[victim] > 0, pending
+    return victim
 
 
 def assert_same(run, baseline) -> None:
@@ -88,14 +122,24 @@ def assert_same(run, baseline) -> None:
             assert all(abs(a.logprob - b.logprob) <= TOL for a, b in zip(got.top, want.top))
 
 
-def test_kill9_mid_stream_keeps_the_fault_free_logprobs(stack: Stack, inbox_pending):
-    baseline = Streams(stack.gateway_target).start()
-    baseline.started.wait(timeout=600)
-    baseline = baseline.join()
-    running = Streams(stack.gateway_target).start()
+def test_sigterm_drain_hands_both_choices_back_mid_stream(stack: Stack, inbox_pending):
+    baseline = fault_free(stack, seeded_pair)
+    assert len(baseline) == 2 * len(PROMPTS)
+    running = Streams(stack.gateway_target, seeded_pair).start()
     running.started.wait(timeout=600)
-    pending = inbox_pending(stack)
-    victim = max(pending, key=pending.get)
-    assert pending[victim] > 0, pending
-    stack.kill(victim)
+    worker = stack.services[busiest(stack, inbox_pending)]
+    worker.signal(signal.SIGTERM)
+    replacement = stack.start_worker()
+    assert_same(running.join(), baseline)
+    assert worker.wait(120) == 0, worker.log_tail()
+    handed = [json.loads(line) for line in worker.log_path.read_text().splitlines() if '"handed back"' in line]
+    assert handed and handed[-1]["items"] > 0, handed   # the choices moved mid-stream, not finished in place
+    replacement.wait_serving(time.monotonic() + 300)
+
+
+def test_kill9_mid_stream_keeps_the_fault_free_logprobs(stack: Stack, inbox_pending):
+    baseline = fault_free(stack, greedy)
+    running = Streams(stack.gateway_target, greedy).start()
+    running.started.wait(timeout=600)
+    stack.kill(busiest(stack, inbox_pending))
     assert_same(running.join(), baseline)
