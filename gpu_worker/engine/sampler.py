@@ -180,14 +180,18 @@ def token_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
         tokens: the R tokens sampled.
     """
     device = logits.device
-    scale = torch.tensor([s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs],
-                         device=device).unsqueeze(1)                              # [R, 1]
-    logp = (logits / scale).log_softmax(dim=-1)                                   # [R, vocab]
-    chosen = logp.gather(1, torch.tensor(tokens, device=device).unsqueeze(1))[:, 0].tolist()   # [R]
+    temperatures = [s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs]
+    if any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, device=device).unsqueeze(1)
+    # log p = logit - logsumexp: one reduction, no [R, vocab] log-softmax kept
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)                    # [R, 1]
+    picked = logits.gather(1, torch.tensor(tokens, device=device).unsqueeze(1))   # [R, 1]
+    chosen = (picked - normalizer)[:, 0].tolist()
     width = max(s.params.top_logprobs for s in seqs)
     if not width:
         return [TokenLogprobs(c) for c in chosen]
-    values, ids = logp.topk(width, dim=-1)                                        # [R, width] best first
+    values, ids = logits.topk(width, dim=-1)                                      # [R, width] best first
+    values = values - normalizer
     out = []
     for seq, c, row_values, row_ids in zip(seqs, chosen, values.tolist(), ids.tolist()):
         top = [(t, v) for t, v in zip(row_ids, row_values) if v != float("-inf")]  # masked tokens: no entry

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_worker.engine.sampler import Sampler, apply_repetition_penalty
@@ -26,7 +27,7 @@ def test_greedy_top1_is_the_chosen_token_with_the_unscaled_log_softmax():
     for row, (seq, token) in enumerate(zip(seqs, tokens)):
         entry = seq.sampled
         assert entry is not None and entry.top[0][0] == token
-        assert entry.logprob == entry.top[0][1] == expected[row, token].item()
+        assert entry.logprob == entry.top[0][1] == pytest.approx(expected[row, token].item(), abs=1e-6)
         assert [t for t, _ in entry.top] == expected[row].topk(5).indices.tolist()
 
 
@@ -37,7 +38,7 @@ def test_sampled_rows_report_the_temperature_scaled_distribution():
     scaled = (logits[0] / 0.5).log_softmax(dim=-1)
     assert seq.sampled is not None
     assert abs(seq.sampled.logprob - scaled[token].item()) < 1e-6
-    assert [v for _, v in seq.sampled.top] == scaled.topk(2).values.tolist()
+    assert [v for _, v in seq.sampled.top] == pytest.approx(scaled.topk(2).values.tolist(), abs=1e-6)
 
 
 def test_repetition_penalty_enters_before_the_logprobs():
