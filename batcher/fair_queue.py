@@ -66,7 +66,8 @@ class Held:
         """What serving this item adds to its tenant's counter: context plus the new tokens it may
         still generate, over the tenant's weight."""
         remaining = max(0, self.item.sampling.max_new_tokens - len(self.item.generated_token_ids))
-        return (self.prompt_tokens + remaining) / (self.item.tenant_weight or 1.0)
+        choices = len(self.item.choices) or max(1, self.item.n)      # n choices: each may generate
+        return (self.prompt_tokens + remaining) * choices / (self.item.tenant_weight or 1.0)
 
 
 @dataclass

@@ -78,7 +78,8 @@ def blocks_needed(item: queue_pb2.WorkItem, block_size: int, decode_reserve: flo
     if block_size <= 0:
         return 0
     context = len(item.prompt_token_ids) + len(item.generated_token_ids)
-    decode = math.ceil(item.sampling.max_new_tokens * decode_reserve)
+    choices = len(item.choices) or max(1, item.n)     # n choices share the prompt's blocks, decode apart
+    decode = math.ceil(item.sampling.max_new_tokens * decode_reserve) * choices
     return math.ceil((context + decode) / block_size)
 
 

@@ -13,6 +13,7 @@ window and emit only the part that grew and does not end in U+FFFD:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -62,3 +63,47 @@ class IncrementalDetokenizer:
         self._slide()
         tail = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
         return tail.rstrip(REPLACEMENT)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the character a BPE vocabulary writes for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_decoder()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenTexts:
+    """Each token's own bytes and text (for logprobs): a token alone may be part of a character, so
+    its bytes are exact and its text decodes them with U+FFFD for what is incomplete."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, bytes] = {}
+
+    def bytes_of(self, token_id: int) -> bytes:
+        if token_id not in self._cache:
+            self._cache[token_id] = self._bytes(token_id)
+        return self._cache[token_id]
+
+    def text_of(self, token_id: int) -> str:
+        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if all(c in _BYTE_LEVEL for c in piece):            # byte-level BPE (GPT-2, SmolLM2, Llama 3)
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if match := _BYTE_TOKEN.fullmatch(piece):            # SentencePiece byte fallback
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece word piece

@@ -28,11 +28,10 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 import structlog
 
-from gateway import metrics, slo
+from gateway import choices, metrics, slo
 from gateway.calls import REMAINING_REQUESTS, ratelimit_headers, rejection
 from gateway.config import GatewaySettings
 from gateway.model_router import Router
-from gateway.output import OutputBuilder
 from gateway.quota import Limits, Quota
 from gateway.request_state import Call, Meta, StreamOutcome
 from gateway.response_format import FormatCompiler
@@ -150,9 +149,11 @@ class Flow:
                 self.shedder.check_slo(model.id, priority, call.tenant.id, targets.ttft_ms, now_ms() - arrival,
                                        ahead, len(prompt_ids))
             call.slo = slo.Admitted(targets, priority, ahead)
-            cost = len(prompt_ids) + sampling.max_new_tokens
+            n = choices.count(request)
+            cost = choices.reserved_tokens(len(prompt_ids), sampling.max_new_tokens, n)
             await self._reserve(call, cost)
-            meta = Meta(call.tenant.id, model.id, len(prompt_ids), cost, list(request.sampling.stop), arrival, 0)
+            meta = Meta(call.tenant.id, model.id, len(prompt_ids), cost, list(request.sampling.stop), arrival, 0,
+                        n=n)
             claimed = await self._claim(call, meta)
         except BaseException:
             self._spawn(self.quota.release(limits_of(call.tenant), call.request_id, 0))
@@ -174,9 +175,9 @@ class Flow:
                                     call.tenant.max_new_tokens, self.limits)
         if not request.sampling.ignore_eos:
             sampling.stop_token_ids.extend(model.eos_token_ids)
-        cost = len(prompt_ids) + sampling.max_new_tokens
+        cost = choices.reserved_tokens(len(prompt_ids), sampling.max_new_tokens, choices.count(request))
         if cost > call.tenant.tokens_per_minute:
-            raise InvalidArgument("sampling.max_new_tokens", f"prompt + max_new_tokens = {cost} exceeds the "
+            raise InvalidArgument("sampling.max_new_tokens", f"(prompt + max_new_tokens) * n = {cost} exceeds the "
                                                              f"tenant's tokens_per_minute")
         return prompt_ids, sampling
 
@@ -217,7 +218,7 @@ class Flow:
             sampling=sampling, priority=priority, deadline_unix_ms=deadline_ms, arrival_unix_ms=meta.arrival_ms,
             enqueued_unix_ms=meta.enqueued_ms, events_key=keys.events_stream(call.tenant.id, call.request_id),
             cancel_key=keys.cancel_key(call.tenant.id, call.request_id), cache_salt=call.tenant.cache_salt,
-            tenant_weight=call.tenant.weight, trace_context=tracing.inject(),
+            tenant_weight=call.tenant.weight, trace_context=tracing.inject(), n=meta.n,
             slo_ttft_ms=call.slo.targets.ttft_ms if call.slo else 0,
             slo_tpot_ms=call.slo.targets.tpot_ms if call.slo else 0)
 
@@ -238,7 +239,7 @@ class Flow:
     # -- streaming -----------------------------------------------------------------------------------------
     async def _stream(self, call: Call, meta: Meta) -> AsyncIterator[pb.GenerateResponse]:
         model = self.tokenizers.get(meta.model)
-        builder = OutputBuilder(call.request_id, model.tokenizer, meta.stops)
+        builder = choices.ChoicesBuilder(call.request_id, model.tokenizer, meta.stops, meta.n)
         watch = Watch(self.settings, self.redis, self.quota, call, meta)
         stream_slo = slo.StreamSlo(self.shedder.estimate, call.slo, call.tenant.id, meta.model, meta.enqueued_ms)
         lease = await self._attach(call)
@@ -318,10 +319,10 @@ class Flow:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _finish(self, call: Call, meta: Meta, builder: OutputBuilder, outcome: StreamOutcome,
+    async def _finish(self, call: Call, meta: Meta, builder: choices.ChoicesBuilder, outcome: StreamOutcome,
                       failure: str = "", lease: ViewerLease | None = None) -> None:
         meta_key = keys.request_meta(call.tenant.id, call.request_id)
-        used = meta.prompt_tokens + builder.next_index
+        used = meta.prompt_tokens * meta.n + builder.next_index
         try:
             if lease is not None:  # this viewer's own slot frees as it leaves
                 await lease.drop()

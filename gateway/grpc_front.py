@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 import structlog
 
+from gateway import choices
 from gateway.calls import code_of, count, header_id, open_call
 from gateway.core import Gateway
 from gateway.http_server import HttpServer
@@ -113,15 +114,7 @@ class InferenceService:
         headers, call = _Headers(context, request), None
         try:
             call = self._call(request, context, headers)
-            reply = pb.CompleteResponse(request_id=call.request_id)
-            texts = []
-            async for chunk in self.gateway.generate(call, request):
-                texts.append(chunk.text)
-                reply.token_ids.extend(chunk.token_ids)
-                reply.finish_reason = chunk.finish_reason
-                if chunk.HasField("usage"):
-                    reply.usage.CopyFrom(chunk.usage)
-            reply.text = "".join(texts)
+            reply = await choices.collect(call.request_id, self.gateway.generate(call, request))
             await headers.send(call.headers)
             count("Complete", call, "OK")
             return reply

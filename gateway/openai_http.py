@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import grpc
@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from gateway import choices, logprobs
 from gateway.calls import code_of, count, header_id, open_call
 from gateway.core import Gateway
 from gateway.openai_wire import FINISH, BodyTooLarge, Parsed, parse_chat, parse_completion, parse_json, read_body
@@ -144,12 +145,13 @@ class OpenAIHttp:
             first = await anext(chunks, None)  # admission errors become HTTP statuses, not a 200 stream
             if first is None:                    # a flow ends with a final chunk: never expected
                 raise Unavailable("the request ended without output; retry")
-            shape = _Shape(kind, call.request_id, call.served_model, int(time.time()))
+            shape = _Shape(kind, call.request_id, call.served_model, int(time.time()),
+                           parsed.request.sampling.logprobs, choices.count(parsed.request))
             headers = {"x-request-id": call.request_id, **dict(call.headers)}
             if parsed.stream:
                 events = self._sse(chunks, first, shape, parsed, method, call)
                 return EventSourceResponse(events, headers=headers, ping=15)
-            reply = await _collect(chunks, first)
+            reply = await choices.collect(call.request_id, _chain(first, chunks))
             count(method, call, "OK")
             return JSONResponse(shape.whole(reply), headers=headers)
         except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error object, never a bare 500
@@ -161,7 +163,8 @@ class OpenAIHttp:
                    parsed: Parsed, method: str, call: Call) -> AsyncIterator[str]:
         code = "OK"
         try:
-            yield json.dumps(shape.role_chunk())
+            for index in range(shape.n):
+                yield json.dumps(shape.role_chunk(index))
             chunk: pb.GenerateResponse | None = first
             while chunk is not None:
                 yield json.dumps(shape.delta(chunk))
@@ -190,21 +193,11 @@ def _failure_code(exc: BaseException) -> str:
     return code_of(exc)
 
 
-@dataclass(frozen=True)
-class _Whole:
-    text: str
-    finish_reason: int
-    usage: pb.Usage
-
-
-async def _collect(chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse) -> _Whole:
-    texts, finish, usage = [first.text], first.finish_reason, first.usage
-    async for chunk in chunks:
-        texts.append(chunk.text)
-        finish = chunk.finish_reason or finish
-        if chunk.HasField("usage"):
-            usage = chunk.usage
-    return _Whole("".join(texts), finish, usage)
+async def _chain(first: pb.GenerateResponse,
+                 rest: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[pb.GenerateResponse]:
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 @dataclass(frozen=True)
@@ -215,6 +208,9 @@ class _Shape:
     request_id: str
     model: str
     created: int
+    logprobs: bool = False           # the request asked for them
+    n: int = 1                       # choices
+    offsets: dict[int, int] = field(default_factory=dict)   # legacy text_offset so far, per streamed choice
 
     @property
     def chat(self) -> bool:
@@ -224,25 +220,40 @@ class _Shape:
         prefix = "chatcmpl" if self.chat else "cmpl"
         return {"id": f"{prefix}-{self.request_id}", "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, reply: _Whole) -> dict:
-        choice = {"index": 0, "finish_reason": FINISH.get(reply.finish_reason, "stop"), "logprobs": None}
+    def _logprobs(self, index: int, entries) -> dict | None:
+        """choice.logprobs of these tokens of choice `index` (None when the request did not ask)."""
+        if not self.logprobs:
+            return None
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": reply.text}
-        else:
-            choice["text"] = reply.text
-        return {**self._base(self.kind), "choices": [choice], "usage": _usage(reply.usage)}
+            return logprobs.chat_content(entries)
+        shape, self.offsets[index] = logprobs.completion_logprobs(entries, self.offsets.get(index, 0))
+        return shape
 
-    def role_chunk(self) -> dict:
+    def whole(self, reply: pb.CompleteResponse) -> dict:
+        out = []
+        for c in reply.choices:
+            choice = {"index": c.choice_index, "finish_reason": FINISH.get(c.finish_reason, "stop"),
+                      "logprobs": self._logprobs(c.choice_index, c.logprobs)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = c.text
+            out.append(choice)
+        return {**self._base(self.kind), "choices": out, "usage": _usage(reply.usage)}
+
+    def role_chunk(self, index: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.chat else self.kind
         delta = {"role": "assistant", "content": ""} if self.chat else None
-        choice = {"index": 0, "finish_reason": None, "logprobs": None}
+        choice = {"index": index, "finish_reason": None, "logprobs": None}
         choice.update({"delta": delta} if self.chat else {"text": ""})
         return {**self._base(obj), "choices": [choice]}
 
     def delta(self, chunk: pb.GenerateResponse) -> dict:
         obj = "chat.completion.chunk" if self.chat else self.kind
         reason = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
-        choice = {"index": 0, "finish_reason": reason, "logprobs": None}
+        index = chunk.choice_index
+        choice = {"index": index, "finish_reason": reason,
+                  "logprobs": self._logprobs(index, chunk.logprobs) if chunk.logprobs else None}
         choice.update({"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text})
         return {**self._base(obj), "choices": [choice]}
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from gateway import logprobs
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
@@ -91,8 +92,10 @@ def _stops(body: dict) -> list[str]:
 def _common(body: dict, request: pb.GenerateRequest) -> Parsed:
     request.model = _get(body, "model", (str,), "a string") or ""
     request.sampling.CopyFrom(_sampling(body))
-    if _get(body, "n", (int,), "an integer") not in (None, 1):
-        raise InvalidArgument("n", "only n = 1 is supported")
+    if (n := _integer(body, "n", _UINT32)) is not None:
+        if n < 1:
+            raise InvalidArgument("n", "must be >= 1")
+        request.n = n                                 # the upper bound: gateway/choices.py
     _response_format(body, request.sampling.response_format)
     options = _get(body, "stream_options", (dict,), "an object") or {}
     include_usage = _get(options, "include_usage", (bool,), "a boolean")
@@ -148,7 +151,9 @@ def parse_chat(body: dict) -> Parsed:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidArgument(f"messages[{i}]", "must be an object with a string role")
         request.messages.add(role=_text(message["role"], f"messages[{i}].role"), content=_content(message, i))
-    return _common(body, request)
+    parsed = _common(body, request)
+    logprobs.parse_chat(body, request.sampling)
+    return parsed
 
 
 def parse_completion(body: dict) -> Parsed:
@@ -158,7 +163,9 @@ def parse_completion(body: dict) -> Parsed:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidArgument("prompt", "must be a string (or a list of one string)")
-    return _common(body, pb.GenerateRequest(prompt=_text(prompt, "prompt")))
+    parsed = _common(body, pb.GenerateRequest(prompt=_text(prompt, "prompt")))
+    logprobs.parse_completion(body, parsed.request.sampling)
+    return parsed
 
 
 class BodyTooLarge(InvalidArgument):

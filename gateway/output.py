@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import structlog
 from tokenizers import Tokenizer
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway import logprobs
+from gateway.detokenizer import IncrementalDetokenizer, TokenTexts
 from gateway.stops import StopMatcher
 from llmserve import queue
 from llmserve.errors import Unavailable
@@ -29,6 +30,7 @@ class OutputBuilder:
     def __init__(self, request_id: str, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
         self.request_id = request_id
         self.detok = IncrementalDetokenizer(tokenizer)
+        self.texts = TokenTexts(tokenizer)
         self.matcher = StopMatcher(stops)
         self.next_index = 0       # completion tokens taken so far
         self.taken: list[int] = []   # their ids
@@ -69,13 +71,16 @@ class OutputBuilder:
         if self.first_event is None:
             self.first_event = event
         ids = self._new_tokens(event)
+        # one entry per token of the event when the request asked: the new tokens' are its tail
+        lps = logprobs.with_text(event.logprobs[len(event.token_ids) - len(ids):], self.texts) \
+            if ids and event.logprobs else []
         start = self.next_index
         self.next_index += len(ids)
         self.taken += ids
         result = self.matcher.feed(self.detok.feed(ids)) if ids else None
         text = result.text if result else ""
         if result and result.stopped:
-            return self._final(start, ids, text, pb.FINISH_REASON_STOP)
+            return self._final(start, ids, text, pb.FINISH_REASON_STOP, lps)
         if event.final:
             if event.HasField("error") and event.error.code:
                 self.done = True
@@ -83,17 +88,18 @@ class OutputBuilder:
             tail = self.matcher.feed(self.detok.flush())
             text += tail.text + ("" if tail.stopped else self.matcher.flush())
             reason = pb.FINISH_REASON_STOP if tail.stopped else event.finish_reason
-            return self._final(start, ids, text, reason or pb.FINISH_REASON_STOP)
+            return self._final(start, ids, text, reason or pb.FINISH_REASON_STOP, lps)
         if not ids:
             return None
-        return pb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, index=start)
+        return pb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, index=start, logprobs=lps)
 
     def cancelled(self) -> pb.GenerateResponse:
         """The last chunk of a stream cancelled without a final event from the worker."""
         return self._final(self.next_index, [], "", pb.FINISH_REASON_CANCELLED)
 
-    def _final(self, start: int, ids: list[int], text: str, reason: int) -> pb.GenerateResponse:
+    def _final(self, start: int, ids: list[int], text: str, reason: int,
+               lps: Sequence[pb.TokenLogprob] = ()) -> pb.GenerateResponse:
         self.done = True
         self.finish_reason = reason
         return pb.GenerateResponse(request_id=self.request_id, text=text, token_ids=ids, index=start,
-                                   finish_reason=reason)
+                                   finish_reason=reason, logprobs=lps)

@@ -54,15 +54,17 @@ class Meta:
     work_key: str = ""     # the work stream and entry id of the queued item (to tell queued from dispatched)
     entry_id: str = ""
     error: str = ""        # set when the request failed for good before any token (max queue wait)
+    n: int = 1             # choices (gateway/choices.py)
 
     def to_redis(self) -> dict[str, str]:
         return {"owner": self.owner, "model": self.model, "prompt_tokens": str(self.prompt_tokens),
                 "cost": str(self.cost), "stops": json.dumps(self.stops), "arrival_ms": str(self.arrival_ms),
-                "enqueued_ms": str(self.enqueued_ms), "work_key": self.work_key, "entry_id": self.entry_id}
+                "enqueued_ms": str(self.enqueued_ms), "work_key": self.work_key, "entry_id": self.entry_id,
+                "n": str(self.n)}
 
     @classmethod
     def from_redis(cls, raw: dict) -> Meta:
         d = {k.decode(): v.decode() for k, v in raw.items()}
         return cls(d["owner"], d["model"], int(d["prompt_tokens"]), int(d["cost"]), json.loads(d["stops"]),
                    int(d["arrival_ms"]), int(d["enqueued_ms"]), d.get("work_key", ""), d.get("entry_id", ""),
-                   d.get("error", ""))
+                   d.get("error", ""), int(d.get("n", "1")))

@@ -14,6 +14,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from gateway import choices, logprobs
 from gateway.response_format import check_size
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
@@ -96,6 +97,7 @@ def check_sampling(s: pb.SamplingParams, limits: RequestLimits) -> None:
         raise InvalidArgument("sampling.max_new_tokens", "must be >= 1")
     _check_stops(s.stop, limits)
     check_size(s.response_format, limits.max_response_format_bytes, limits.max_response_format_choices)
+    logprobs.check(s)
 
 
 def check_request_id(request_id: str, limits: RequestLimits) -> None:
@@ -111,6 +113,7 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits) -> None
     check_request_id(request.request_id, limits)
     check_input(request.prompt, request.messages, limits)
     check_sampling(request.sampling, limits)
+    choices.check(request)
     if request.priority not in PRIORITY_VALUES:
         raise InvalidArgument("priority", "unknown priority")
 
@@ -140,4 +143,5 @@ def resolve_sampling(s: pb.SamplingParams, prompt_tokens: int, context_length: i
         seed=s.seed if s.HasField("seed") else secrets.randbits(63),  # unset: not reproducible
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         response_format=s.response_format if s.HasField("response_format") else None,
+        logprobs=s.logprobs, top_logprobs=s.top_logprobs if s.logprobs else 0,
     )

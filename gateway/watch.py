@@ -8,8 +8,8 @@ import time
 import redis.asyncio as aioredis
 
 from gateway import metrics
+from gateway.choices import ChoicesBuilder
 from gateway.config import GatewaySettings
-from gateway.output import OutputBuilder
 from gateway.quota import Quota
 from gateway.request_state import Call, Meta
 from llmserve import keys
@@ -90,7 +90,7 @@ class Watch:
         return now - self.cancel_seen_s < self.settings.cancel_grace_s
 
     # -- timings -------------------------------------------------------------------------------------------
-    def observe_chunk(self, chunk: pb.GenerateResponse, model: str, builder: OutputBuilder) -> None:
+    def observe_chunk(self, chunk: pb.GenerateResponse, model: str, builder: ChoicesBuilder) -> None:
         now_s = time.monotonic()
         if chunk.token_ids and self.first_token_ms is None:
             self.first_token_ms = _now_ms()
@@ -102,7 +102,7 @@ class Watch:
         if builder.done:
             metrics.E2E.labels(model).observe(max(0.0, _now_ms() - self.meta.arrival_ms) / 1000)
 
-    def usage(self, builder: OutputBuilder, meta: Meta) -> pb.Usage:
+    def usage(self, builder: ChoicesBuilder, meta: Meta) -> pb.Usage:
         end = _now_ms()
         first = self.first_event
         admitted = first.admitted_unix_ms if first is not None and first.admitted_unix_ms else 0
@@ -114,7 +114,7 @@ class Watch:
             queue_ms=max(0.0, admitted - meta.enqueued_ms) if admitted else 0.0,
             ttft_ms=max(0.0, ttft), total_ms=max(0.0, end - meta.arrival_ms))
 
-    def cancelled_chunk(self, builder: OutputBuilder, meta: Meta) -> pb.GenerateResponse:
+    def cancelled_chunk(self, builder: ChoicesBuilder, meta: Meta) -> pb.GenerateResponse:
         chunk = builder.cancelled()
         chunk.usage.CopyFrom(self.usage(builder, meta))
         return chunk

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gpu_worker.engine.sequence import TokenLogprobs
 from gpu_worker.requests import Tracked
 from llmserve import fencing, keys, queue
 from llmserve.errors import ServiceError
-from llmserve.v1 import queue_pb2
+from llmserve.v1 import inference_pb2, queue_pb2
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,12 @@ def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
     event = queue_pb2.TokenEvent(
         request_id=e.tracked.item.request_id, index=e.index,
         token_ids=list(e.token_ids), worker_id=worker_id, final=e.final,
-        dispatch_epoch=e.tracked.item.dispatch_epoch,
+        dispatch_epoch=e.tracked.item.dispatch_epoch, choice_index=seq.choice_index,
     )
+    if seq.params.logprobs and e.token_ids:
+        start = e.index - seq.index_offset                 # into seq.output_logprobs
+        event.logprobs.extend(_logprob(t, entry) for t, entry in
+                              zip(e.token_ids, seq.output_logprobs[start:start + len(e.token_ids)]))
     if e.final:
         event.finish_reason = e.finish_reason
         if e.error is not None:
@@ -46,6 +51,12 @@ def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
         event.cached_prompt_tokens = seq.num_cached_prompt_tokens
         event.admitted_unix_ms = e.tracked.admitted_unix_ms
     return event
+
+
+def _logprob(token_id: int, entry: TokenLogprobs) -> inference_pb2.TokenLogprob:
+    """The wire form of one position's logprobs (token text is the gateway's to fill in)."""
+    return inference_pb2.TokenLogprob(token_id=token_id, logprob=entry.logprob, top=[
+        inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in entry.top])
 
 
 class EventPublisher:

@@ -36,7 +36,7 @@ from gpu_worker.engine.sequence import FINISH_CANCELLED, Failure
 from gpu_worker.events import Emission, EventPublisher
 from gpu_worker.inbox import Inbox, InboxEntry
 from gpu_worker.request_spans import RequestSpans
-from gpu_worker.requests import Tracked, validate_item
+from gpu_worker.requests import Tracked, handoff_items, validate_item
 from gpu_worker.step_thread import StepThread
 from llmserve import tracing
 from llmserve.clock import now_ms
@@ -207,10 +207,10 @@ class WorkerLoop:
         requests = []
         for item in entry.batch.items:
             problem = validate_item(item, self.engine.vocab_size)
-            tracked = Tracked.from_item(item, entry.entry_id)
-            if not problem:
-                self.engine.prepare(tracked.seq)
-            requests.append((tracked, problem))
+            for tracked in Tracked.choices_of(item, entry.entry_id):
+                if not problem:
+                    self.engine.prepare(tracked.seq)
+                requests.append((tracked, problem))
         return Arrival(entry, requests)
 
     def _accept(self, arrival: Arrival) -> None:
@@ -341,7 +341,7 @@ class WorkerLoop:
 
     def items_to_hand_back(self, unread: list[InboxEntry]) -> tuple[list[queue_pb2.WorkItem], list[str]]:
         """(work items to requeue, inbox entries to ack) for everything not finished here."""
-        items = [t.handoff_item() for t in self.unfinished()]
+        items = handoff_items(self.unfinished())
         for tracked in self.unfinished():
             self.spans.moved(tracked, "handed back")
         items += [item for entry in unread for item in entry.batch.items]

@@ -84,6 +84,7 @@ class LLMEngine:
         self.sampler = Sampler(constraints)
         self.counters = EngineCounters()
         self.roofline = RooflineMeter.for_model(model, kv_cache)
+        self.deferred: list[Sequence] = []   # choices waiting for their leader's prompt (sequence.py)
 
     @classmethod
     def create(cls, model: LlamaModel, config: EngineConfig, dtype: torch.dtype | None = None,
@@ -116,8 +117,18 @@ class LLMEngine:
             return StepOutput(seq, finished=True)
         if seq.params.grammar and not self._start_constraint(seq):
             return StepOutput(seq, finished=True)
-        self.scheduler.add(seq)
+        if seq.waits_for_leader:
+            self.deferred.append(seq)
+        else:
+            self.scheduler.add(seq)
         return None
+
+    def _release_deferred(self) -> None:
+        """Schedule the choices whose leader computed the shared prompt: its blocks are cached now."""
+        ready = [s for s in self.deferred if not s.waits_for_leader]
+        self.deferred = [s for s in self.deferred if s.waits_for_leader]
+        for seq in ready:
+            self.scheduler.add(seq)
 
     def _start_constraint(self, seq: Sequence) -> bool:
         """Give seq its matcher (rebuilt over tokens produced before a handoff); False: it failed."""
@@ -135,10 +146,12 @@ class LLMEngine:
         """Stop `seq` now (cancel, deadline, drain) and free its blocks."""
         if not seq.is_finished:
             seq.finish(reason, failure)
+        if seq in self.deferred:
+            self.deferred.remove(seq)
         self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.deferred)
 
     @property
     def running(self) -> list[Sequence]:
@@ -152,6 +165,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one batched forward for every scheduled sequence; outputs of sequences that changed."""
         start = time.perf_counter()
+        self._release_deferred()
         plan = self.scheduler.schedule()
         outputs = [self._out_of_memory(seq) for seq in plan.out_of_memory]
         if plan.is_empty:
@@ -236,7 +250,7 @@ class LLMEngine:
         bm = self.block_manager
         preemptible_seqs, preemptible_blocks = self.scheduler.preemptible_by_high()
         return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self.deferred),
             free_blocks=bm.num_free_blocks, total_blocks=self.config.num_blocks, kv_usage=bm.usage,
             steps=self.counters.steps, generated_tokens=self.counters.generated_tokens,
             last_batch_tokens=self.counters.last_batch_tokens, preemptions=self.scheduler.num_preemptions,

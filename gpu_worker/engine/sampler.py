@@ -4,6 +4,11 @@ Randomness is a pure function of (seed, position of the token in the context): e
 draw is torch.rand's stream after `manual_seed` of both (drawn in C, ops/cpu/uniform.py),
 so a request yields the same tokens whatever else shares its batch, on any worker, and
 after a preemption or a handoff to another worker (which continues at the same position).
+
+Log probabilities (docs/logprobs.md), only for sequences that ask (`params.logprobs`): the
+log-softmax of the row the draw starts from, i.e. after the grammar mask, the repetition penalty
+and the temperature (greedy: unscaled), before top-k/top-p truncation. One extra pass over those
+rows only; a batch where nobody asks pays nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.engine.constraint import Constraints
-from gpu_worker.engine.sequence import Sequence
+from gpu_worker.engine.sequence import Sequence, TokenLogprobs
 from gpu_worker.ops.cpu import uniform as cpu_uniform
 
 _MASK64 = (1 << 64) - 1
@@ -135,6 +140,11 @@ class Sampler:
         if sampled:
             for i, token in zip(sampled, self._sample(_rows(logits, sampled), [seqs[i] for i in sampled])):
                 tokens[i] = token
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs]
+        if wanted:
+            found = token_logprobs(_rows(logits, wanted), [seqs[i] for i in wanted], [tokens[i] for i in wanted])
+            for i, entry in zip(wanted, found):
+                seqs[i].sampled = entry
         return tokens
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -159,6 +169,34 @@ class Sampler:
             tokens[group.rows] = cols if group.token_ids is None else group.token_ids.gather(1, cols[:, None])[:, 0]
         return tokens.tolist()
 
+
+
+def token_logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs]:
+    """Each row's sampled-token logprob and its params.top_logprobs best (token, logprob).
+
+    Args:
+        logits: [R, vocab] float32 after the mask and the penalty, not yet scaled by temperature.
+        seqs: the R sequences (their temperature and top_logprobs).
+        tokens: the R tokens sampled.
+    """
+    device = logits.device
+    temperatures = [s.params.temperature if s.params.temperature > 0 else 1.0 for s in seqs]
+    if any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, device=device).unsqueeze(1)
+    # log p = logit - logsumexp: one reduction, no [R, vocab] log-softmax kept
+    normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)                    # [R, 1]
+    picked = logits.gather(1, torch.tensor(tokens, device=device).unsqueeze(1))   # [R, 1]
+    chosen = (picked - normalizer)[:, 0].tolist()
+    width = max(s.params.top_logprobs for s in seqs)
+    if not width:
+        return [TokenLogprobs(c) for c in chosen]
+    values, ids = logits.topk(width, dim=-1)                                      # [R, width] best first
+    values = values - normalizer
+    out = []
+    for seq, c, row_values, row_ids in zip(seqs, chosen, values.tolist(), ids.tolist()):
+        top = [(t, v) for t, v in zip(row_ids, row_values) if v != float("-inf")]  # masked tokens: no entry
+        out.append(TokenLogprobs(c, tuple(top[:seq.params.top_logprobs])))
+    return out
 
 
 def _rows(batch: torch.Tensor, rows: list[int] | torch.Tensor) -> torch.Tensor:

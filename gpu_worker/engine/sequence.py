@@ -57,10 +57,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False       # benchmarks: run to max_new_tokens
     grammar: str = ""              # llguidance grammar the output must match ("" = free text)
+    logprobs: bool = False         # record each sampled token's log probability (sampler.py)
+    top_logprobs: int = 0          # ... and the this many most likely tokens at its position
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log probabilities at one sampled position (sampler.py says of which distribution)."""
+
+    logprob: float                            # of the token sampled there
+    top: tuple[tuple[int, float], ...] = ()   # (token id, logprob) of the most likely, best first
 
 
 @dataclass(eq=False)
@@ -76,6 +86,9 @@ class Sequence:
         priority: the work item's Priority (HIGH preempts lower running sequences; scheduler.py).
         slo: latency targets; with arrival_unix_ms they give the next token's deadline (llmserve/slo.py).
         tenant, tenant_weight: whose request it is and that tenant's share (token-fair admission).
+        choice_index: which of the request's n choices this sequence generates.
+        leader: choice 0 of the same request; this sequence is scheduled only once the leader's
+            prompt is computed, so it finds that prompt's blocks in the prefix cache.
     """
 
     prompt_token_ids: list[int]
@@ -98,6 +111,12 @@ class Sequence:
     failure: Failure | None = None      # why the sequence failed (None: it did not)
     waited_steps: int = 0               # scheduler steps spent waiting, over all its waits (aging)
     matcher: Any = None                 # llguidance.LLMatcher of params.grammar (engine/constraint.py)
+    choice_index: int = 0
+    leader: Sequence | None = None
+    # with params.logprobs: one per output_token_ids entry; `sampled` is the sampler's latest
+    # draw, taken by append_token (a stop token is sampled but never appended)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    sampled: TokenLogprobs | None = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = [*self.prompt_token_ids, *self.prior_output_ids]
@@ -135,9 +154,19 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     # --- transitions -------------------------------------------------------------------------
+    @property
+    def waits_for_leader(self) -> bool:
+        """The leader still computes the shared prompt (it is neither past it nor finished)."""
+        leader = self.leader
+        return leader is not None and not leader.is_finished and \
+            leader.num_computed_tokens < leader.num_prompt_tokens
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.sampled is not None:
+            self.output_logprobs.append(self.sampled)
+            self.sampled = None
 
     def finish(self, reason: int, failure: Failure | None = None) -> None:
         self.status = SequenceStatus.FINISHED
