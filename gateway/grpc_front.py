@@ -18,6 +18,7 @@ from gateway.calls import code_of, count, header_id, open_call
 from gateway.core import Gateway
 from gateway.http_server import HttpServer
 from gateway.request_state import Call
+from gateway.tool_stream import rewrite
 from gateway.wire import Unparsable, lenient
 from llmserve.v1 import inference_pb2 as pb
 
@@ -101,7 +102,7 @@ class InferenceService:
         headers, call = _Headers(context, request), None
         try:
             call = self._call(request, context, headers)
-            async for chunk in self.gateway.generate(call, request):
+            async for chunk in rewrite(self.gateway.generate(call, request), request, call.request_id):
                 await headers.send(call.headers)
                 yield chunk
             count("Generate", call, "OK")
@@ -115,8 +116,9 @@ class InferenceService:
             call = self._call(request, context, headers)
             reply = pb.CompleteResponse(request_id=call.request_id)
             texts = []
-            async for chunk in self.gateway.generate(call, request):
+            async for chunk in rewrite(self.gateway.generate(call, request), request, call.request_id):
                 texts.append(chunk.text)
+                reply.tool_calls.extend(chunk.tool_calls)
                 reply.token_ids.extend(chunk.token_ids)
                 reply.finish_reason = chunk.finish_reason
                 if chunk.HasField("usage"):

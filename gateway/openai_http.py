@@ -32,8 +32,10 @@ from starlette.routing import Route
 
 from gateway.calls import code_of, count, header_id, open_call
 from gateway.core import Gateway
+from gateway.openai_tools import openai_tool_calls
 from gateway.openai_wire import FINISH, BodyTooLarge, Parsed, parse_chat, parse_completion, parse_json, read_body
 from gateway.request_state import Call
+from gateway.tool_stream import ToolCallStream, stream_for
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
@@ -141,15 +143,16 @@ class OpenAIHttp:
             if parsed.user:
                 logger.info("openai request", user=parsed.user, stream=parsed.stream)
             chunks = self.gateway.generate(call, parsed.request)
+            tools = stream_for(parsed.request, call.request_id)
             first = await anext(chunks, None)  # admission errors become HTTP statuses, not a 200 stream
             if first is None:                    # a flow ends with a final chunk: never expected
                 raise Unavailable("the request ended without output; retry")
             shape = _Shape(kind, call.request_id, call.served_model, int(time.time()))
             headers = {"x-request-id": call.request_id, **dict(call.headers)}
             if parsed.stream:
-                events = self._sse(chunks, first, shape, parsed, method, call)
+                events = self._sse(chunks, first, shape, parsed, method, call, tools)
                 return EventSourceResponse(events, headers=headers, ping=15)
-            reply = await _collect(chunks, first)
+            reply = await _collect(chunks, first, tools)
             count(method, call, "OK")
             return JSONResponse(shape.whole(reply), headers=headers)
         except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error object, never a bare 500
@@ -158,13 +161,14 @@ class OpenAIHttp:
             return _error_response(exc, call.request_id if call is not None else "-", served)
 
     async def _sse(self, chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: _Shape,
-                   parsed: Parsed, method: str, call: Call) -> AsyncIterator[str]:
+                   parsed: Parsed, method: str, call: Call, tools: ToolCallStream | None) -> AsyncIterator[str]:
         code = "OK"
         try:
             yield json.dumps(shape.role_chunk())
             chunk: pb.GenerateResponse | None = first
             while chunk is not None:
-                yield json.dumps(shape.delta(chunk))
+                chunk, tool_deltas = tools.feed(chunk) if tools is not None else (chunk, [])
+                yield json.dumps(shape.delta(chunk, tool_deltas))
                 if chunk.HasField("usage") and parsed.include_usage:
                     yield json.dumps(shape.usage_chunk(chunk.usage))
                 chunk = await anext(chunks, None)
@@ -195,16 +199,23 @@ class _Whole:
     text: str
     finish_reason: int
     usage: pb.Usage
+    tool_calls: list[pb.ToolCall]
 
 
-async def _collect(chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse) -> _Whole:
-    texts, finish, usage = [first.text], first.finish_reason, first.usage
-    async for chunk in chunks:
+async def _collect(chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse,
+                   tools: ToolCallStream | None) -> _Whole:
+    texts, finish, usage, calls = [], pb.FINISH_REASON_UNSPECIFIED, first.usage, []
+    chunk: pb.GenerateResponse | None = first
+    while chunk is not None:
+        if tools is not None:
+            chunk = tools.feed(chunk)[0]
         texts.append(chunk.text)
+        calls += chunk.tool_calls
         finish = chunk.finish_reason or finish
         if chunk.HasField("usage"):
             usage = chunk.usage
-    return _Whole("".join(texts), finish, usage)
+        chunk = await anext(chunks, None)
+    return _Whole("".join(texts), finish, usage, calls)
 
 
 @dataclass(frozen=True)
@@ -228,6 +239,8 @@ class _Shape:
         choice = {"index": 0, "finish_reason": FINISH.get(reply.finish_reason, "stop"), "logprobs": None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": reply.text}
+            if reply.tool_calls:
+                choice["message"].update(content=reply.text or None, tool_calls=openai_tool_calls(reply.tool_calls))
         else:
             choice["text"] = reply.text
         return {**self._base(self.kind), "choices": [choice], "usage": _usage(reply.usage)}
@@ -239,11 +252,14 @@ class _Shape:
         choice.update({"delta": delta} if self.chat else {"text": ""})
         return {**self._base(obj), "choices": [choice]}
 
-    def delta(self, chunk: pb.GenerateResponse) -> dict:
+    def delta(self, chunk: pb.GenerateResponse, tool_deltas: list[dict] | None = None) -> dict:
         obj = "chat.completion.chunk" if self.chat else self.kind
         reason = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
         choice = {"index": 0, "finish_reason": reason, "logprobs": None}
-        choice.update({"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text})
+        delta: dict = {"content": chunk.text} if chunk.text or not tool_deltas else {}
+        if tool_deltas:
+            delta["tool_calls"] = tool_deltas
+        choice.update({"delta": delta} if self.chat else {"text": chunk.text})
         return {**self._base(obj), "choices": [choice]}
 
     def usage_chunk(self, usage: pb.Usage) -> dict:
