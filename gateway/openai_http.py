@@ -168,7 +168,8 @@ class OpenAIHttp:
             chunk: pb.GenerateResponse | None = first
             while chunk is not None:
                 chunk, tool_deltas = tools.feed(chunk) if tools is not None else (chunk, [])
-                yield json.dumps(shape.delta(chunk, tool_deltas))
+                if tools is None or chunk.text or tool_deltas or chunk.finish_reason:  # not a call's markup
+                    yield json.dumps(shape.delta(chunk, tool_deltas))
                 if chunk.HasField("usage") and parsed.include_usage:
                     yield json.dumps(shape.usage_chunk(chunk.usage))
                 chunk = await anext(chunks, None)
