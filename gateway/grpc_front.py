@@ -102,7 +102,7 @@ class InferenceService:
         headers, call = _Headers(context, request), None
         try:
             call = self._call(request, context, headers)
-            async for chunk in rewrite(self.gateway.generate(call, request), request, call.request_id):
+            async for chunk in rewrite(self.gateway, call, request):
                 await headers.send(call.headers)
                 yield chunk
             count("Generate", call, "OK")
@@ -116,7 +116,7 @@ class InferenceService:
             call = self._call(request, context, headers)
             reply = pb.CompleteResponse(request_id=call.request_id)
             texts = []
-            async for chunk in rewrite(self.gateway.generate(call, request), request, call.request_id):
+            async for chunk in rewrite(self.gateway, call, request):
                 texts.append(chunk.text)
                 reply.tool_calls.extend(chunk.tool_calls)
                 reply.token_ids.extend(chunk.token_ids)

@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from gateway.tool_calls import (
     ARGUMENTS_PREFIX,
@@ -28,6 +29,10 @@ from gateway.tool_calls import (
     mode_of,
 )
 from llmserve.v1 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from gateway.core import Gateway
+    from gateway.request_state import Call
 
 _HEAD = CALL_OPEN + NAME_PREFIX
 _TAIL = "}" + CALL_CLOSE
@@ -231,9 +236,20 @@ def stream_for(request: pb.GenerateRequest, request_id: str) -> ToolCallStream |
     return None if mode is Mode.NONE else ToolCallStream(mode, request_id)
 
 
-async def rewrite(chunks: AsyncIterator[pb.GenerateResponse], request: pb.GenerateRequest,
-                  request_id: str) -> AsyncIterator[pb.GenerateResponse]:
-    """`chunks` with tool calls parsed out (unchanged for a request without tools): what gRPC sends."""
-    stream = stream_for(request, request_id)
-    async for chunk in chunks:
-        yield chunk if stream is None else stream.feed(chunk)[0]
+async def rewrite(gateway: Gateway, call: Call, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    """The request's chunks with tool calls parsed out (as they are without tools): what gRPC sends.
+
+    A resume (x-resume-from) of a request with tools reads the stream from its start, since the
+    parser needs the calls from their first character, and drops the chunks before the resume
+    point after parsing them: chunks are cut at the same places on every read (gateway/output.py),
+    and a call is sent in the chunk where it completes, so the client gets each call exactly once.
+    """
+    stream = stream_for(request, call.request_id)
+    resume_from = call.resume_from
+    if stream is not None:
+        call.resume_from = 0
+    async for chunk in gateway.generate(call, request):
+        if stream is not None:
+            chunk = stream.feed(chunk)[0]
+        if chunk.index >= resume_from:
+            yield chunk

@@ -5,6 +5,7 @@ whole once complete, a conversation carries calls and tool turns, bad input is I
 from __future__ import annotations
 
 import json
+import uuid
 
 import grpc
 import pytest
@@ -49,6 +50,18 @@ def test_complete_and_generate_give_the_same_calls(stub, auth_metadata):
     assert all(chunk.text == "" for chunk in chunks)
     assert chunks[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
     assert sum(len(chunk.token_ids) for chunk in chunks) == len(whole.token_ids)
+
+
+def test_resume_inside_a_call_gets_it_once(stub, auth_metadata):
+    req = request(ASK, pb.ToolChoice(required=True), parallel_tool_calls=False, request_id=f"tools-{uuid.uuid4()}")
+    chunks = list(stub.Generate(req, metadata=auth_metadata, timeout=300))
+    (done,) = [i for i, chunk in enumerate(chunks) if chunk.tool_calls]
+    assert done >= 2                              # the call spans several chunks
+    middle = chunks[done - 1].index               # resume after the call began, before it completed
+    resumed = list(stub.Generate(req, metadata=(*auth_metadata, ("x-resume-from", str(middle))), timeout=300))
+    assert resumed[0].index == middle
+    assert [c for chunk in resumed for c in chunk.tool_calls] == list(chunks[done].tool_calls)
+    assert resumed[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
 
 
 def test_conversation_with_a_tool_turn(stub, auth_metadata):
