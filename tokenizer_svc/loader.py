@@ -63,7 +63,7 @@ class ModelTokenizer:
         variable of that name (HF's `apply_chat_template(tools=...)`), not given when None."""
         if not self.chat_template:
             raise chat_template.ChatTemplateError("model has no chat template")
-        variables = self._template_vars() if tools is None else {**self._template_vars(), "tools": tools}
+        variables: dict[str, Any] = self._template_vars() if tools is None else {**self._template_vars(), "tools": tools}
         return chat_template.render(self.chat_template, messages, add_generation_prompt, variables)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
