@@ -169,10 +169,12 @@ class Flow:
                        model: ModelInfo) -> tuple[list[int], queue_pb2.ResolvedSampling]:
         """The costly part, run only for an admitted request: compile its format, tokenize its prompt."""
         await self.formats.check(request.sampling.response_format, call.tenant.id)
+        tool_grammar = await self.formats.tool_grammar(request, call.tenant.id)
         prompt_ids = await self.tokenizers.encode(model.id, request.prompt, request.messages, call.deadline,
-                                               call.tenant.raw_special_tokens)
+                                               call.tenant.raw_special_tokens, request.tools)
         sampling = resolve_sampling(request.sampling, len(prompt_ids), model.context_length,
                                     call.tenant.max_new_tokens, self.limits)
+        sampling.tool_grammar = tool_grammar
         if not request.sampling.ignore_eos:
             sampling.stop_token_ids.extend(model.eos_token_ids)
         cost = choices.reserved_tokens(len(prompt_ids), sampling.max_new_tokens, choices.count(request))

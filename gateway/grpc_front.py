@@ -19,6 +19,7 @@ from gateway.calls import code_of, count, header_id, open_call
 from gateway.core import Gateway
 from gateway.http_server import HttpServer
 from gateway.request_state import Call
+from gateway.tool_stream import rewrite
 from gateway.wire import Unparsable, lenient
 from llmserve.v1 import inference_pb2 as pb
 
@@ -102,7 +103,7 @@ class InferenceService:
         headers, call = _Headers(context, request), None
         try:
             call = self._call(request, context, headers)
-            async for chunk in self.gateway.generate(call, request):
+            async for chunk in rewrite(self.gateway, call, request):
                 await headers.send(call.headers)
                 yield chunk
             count("Generate", call, "OK")
@@ -114,7 +115,7 @@ class InferenceService:
         headers, call = _Headers(context, request), None
         try:
             call = self._call(request, context, headers)
-            reply = await choices.collect(call.request_id, self.gateway.generate(call, request))
+            reply = await choices.collect(call.request_id, rewrite(self.gateway, call, request))
             await headers.send(call.headers)
             count("Complete", call, "OK")
             return reply

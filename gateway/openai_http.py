@@ -33,8 +33,10 @@ from starlette.routing import Route
 from gateway import choices, logprobs
 from gateway.calls import code_of, count, header_id, open_call
 from gateway.core import Gateway
+from gateway.openai_tools import openai_tool_calls
 from gateway.openai_wire import FINISH, BodyTooLarge, Parsed, parse_chat, parse_completion, parse_json, read_body
 from gateway.request_state import Call
+from gateway.tool_stream import ToolCallStream, stream_for
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.server import status_for
 from llmserve.v1 import inference_pb2 as pb
@@ -142,6 +144,7 @@ class OpenAIHttp:
             if parsed.user:
                 logger.info("openai request", user=parsed.user, stream=parsed.stream)
             chunks = self.gateway.generate(call, parsed.request)
+            tools = stream_for(parsed.request, call.request_id)
             first = await anext(chunks, None)  # admission errors become HTTP statuses, not a 200 stream
             if first is None:                    # a flow ends with a final chunk: never expected
                 raise Unavailable("the request ended without output; retry")
@@ -149,9 +152,9 @@ class OpenAIHttp:
                            parsed.request.sampling.logprobs, choices.count(parsed.request))
             headers = {"x-request-id": call.request_id, **dict(call.headers)}
             if parsed.stream:
-                events = self._sse(chunks, first, shape, parsed, method, call)
+                events = self._sse(chunks, first, shape, parsed, method, call, tools)
                 return EventSourceResponse(events, headers=headers, ping=15)
-            reply = await choices.collect(call.request_id, _chain(first, chunks))
+            reply = await choices.collect(call.request_id, _chain(first, chunks, tools))
             count(method, call, "OK")
             return JSONResponse(shape.whole(reply), headers=headers)
         except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI error object, never a bare 500
@@ -160,14 +163,16 @@ class OpenAIHttp:
             return _error_response(exc, call.request_id if call is not None else "-", served)
 
     async def _sse(self, chunks: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: _Shape,
-                   parsed: Parsed, method: str, call: Call) -> AsyncIterator[str]:
+                   parsed: Parsed, method: str, call: Call, tools: ToolCallStream | None) -> AsyncIterator[str]:
         code = "OK"
         try:
             for index in range(shape.n):
                 yield json.dumps(shape.role_chunk(index))
             chunk: pb.GenerateResponse | None = first
             while chunk is not None:
-                yield json.dumps(shape.delta(chunk))
+                chunk, tool_deltas = tools.feed(chunk) if tools is not None else (chunk, [])
+                if tools is None or chunk.text or tool_deltas or chunk.finish_reason:  # not a call's markup
+                    yield json.dumps(shape.delta(chunk, tool_deltas))
                 if chunk.HasField("usage") and parsed.include_usage:
                     yield json.dumps(shape.usage_chunk(chunk.usage))
                 chunk = await anext(chunks, None)
@@ -193,11 +198,13 @@ def _failure_code(exc: BaseException) -> str:
     return code_of(exc)
 
 
-async def _chain(first: pb.GenerateResponse,
-                 rest: AsyncIterator[pb.GenerateResponse]) -> AsyncIterator[pb.GenerateResponse]:
-    yield first
-    async for chunk in rest:
-        yield chunk
+async def _chain(first: pb.GenerateResponse, rest: AsyncIterator[pb.GenerateResponse],
+                 tools: ToolCallStream | None) -> AsyncIterator[pb.GenerateResponse]:
+    """Every chunk of the completion, tool calls parsed out of the text when the request has tools."""
+    chunk: pb.GenerateResponse | None = first
+    while chunk is not None:
+        yield tools.feed(chunk)[0] if tools is not None else chunk
+        chunk = await anext(rest, None)
 
 
 @dataclass(frozen=True)
@@ -236,6 +243,8 @@ class _Shape:
                       "logprobs": self._logprobs(c.choice_index, c.logprobs)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
+                if c.tool_calls:
+                    choice["message"].update(content=c.text or None, tool_calls=openai_tool_calls(c.tool_calls))
             else:
                 choice["text"] = c.text
             out.append(choice)
@@ -248,13 +257,16 @@ class _Shape:
         choice.update({"delta": delta} if self.chat else {"text": ""})
         return {**self._base(obj), "choices": [choice]}
 
-    def delta(self, chunk: pb.GenerateResponse) -> dict:
+    def delta(self, chunk: pb.GenerateResponse, tool_deltas: list[dict] | None = None) -> dict:
         obj = "chat.completion.chunk" if self.chat else self.kind
         reason = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
         index = chunk.choice_index
         choice = {"index": index, "finish_reason": reason,
                   "logprobs": self._logprobs(index, chunk.logprobs) if chunk.logprobs else None}
-        choice.update({"delta": {"content": chunk.text}} if self.chat else {"text": chunk.text})
+        delta: dict = {"content": chunk.text} if chunk.text or not tool_deltas else {}
+        if tool_deltas:
+            delta["tool_calls"] = tool_deltas
+        choice.update({"delta": delta} if self.chat else {"text": chunk.text})
         return {**self._base(obj), "choices": [choice]}
 
     def usage_chunk(self, usage: pb.Usage) -> dict:

@@ -14,10 +14,12 @@ from typing import Any
 from starlette.requests import Request
 
 from gateway import logprobs
+from gateway.openai_tools import message_tool_fields, parse_tools
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
-FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CANCELLED: "stop"}
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CANCELLED: "stop",
+          pb.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 _NUMBER = (int, float)
 
 
@@ -150,7 +152,9 @@ def parse_chat(body: dict) -> Parsed:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidArgument(f"messages[{i}]", "must be an object with a string role")
-        request.messages.add(role=_text(message["role"], f"messages[{i}].role"), content=_content(message, i))
+        added = request.messages.add(role=_text(message["role"], f"messages[{i}].role"), content=_content(message, i))
+        message_tool_fields(message, i, added)
+    parse_tools(body, request)
     parsed = _common(body, request)
     logprobs.parse_chat(body, request.sampling)
     return parsed

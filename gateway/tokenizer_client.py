@@ -6,6 +6,7 @@ Encode calls go to tokenizer_svc with a deadline and jittered retries.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -84,11 +85,12 @@ class TokenizerClient:
         return info
 
     async def encode(self, model_id: str, text: str, messages, deadline: float | None,
-                     allow_special_tokens: bool = False) -> list[int]:
-        """Token ids of text or chat messages (template applied with the generation prompt). Special
-        tokens spelled in the input are plain text, except in `text` when `allow_special_tokens`."""
+                     allow_special_tokens: bool = False, tools: Sequence[pb.Tool] = ()) -> list[int]:
+        """Token ids of text or chat messages (template applied with the generation prompt, `tools`
+        rendered into it). Special tokens spelled in the input are plain text, except in `text` when
+        `allow_special_tokens`."""
         request = tokenizer_pb2.EncodeRequest(model=model_id, text=text, messages=messages,
-                                              allow_special_tokens=allow_special_tokens)
+                                              allow_special_tokens=allow_special_tokens, tools=tools)
         caller_deadline = deadline
         deadline = min(deadline, time.monotonic() + self.timeout_s * 3) if deadline else \
             time.monotonic() + self.timeout_s * 3

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from gateway import choices, logprobs
 from gateway.response_format import check_size
+from gateway.tool_calls import check_tools
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
@@ -114,6 +115,7 @@ def validate_request(request: pb.GenerateRequest, limits: RequestLimits) -> None
     check_input(request.prompt, request.messages, limits)
     check_sampling(request.sampling, limits)
     choices.check(request)
+    check_tools(request, limits.max_response_format_bytes)
     if request.priority not in PRIORITY_VALUES:
         raise InvalidArgument("priority", "unknown priority")
 

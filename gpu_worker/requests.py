@@ -16,7 +16,10 @@ _GRAMMARS = GrammarCache(capacity=256)
 
 
 def _grammar(item: queue_pb2.WorkItem) -> str:
-    """The item's grammar; "" when it has none or it is invalid (validate_item refuses those)."""
+    """The item's grammar: its tool-call grammar if any (built by the gateway), else its format's;
+    "" when it has none or the format is invalid (validate_item refuses those)."""
+    if item.sampling.tool_grammar:
+        return item.sampling.tool_grammar
     try:
         return _GRAMMARS.get(item.sampling.response_format)
     except GrammarError:

@@ -47,14 +47,14 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render(source: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
-           special_tokens: dict[str, str]) -> str:
+           special_tokens: dict[str, Any]) -> str:
     """The prompt text for `messages`.
 
     Args:
         source: the Jinja2 chat template.
         messages: [{"role": ..., "content": ...}, ...].
         add_generation_prompt: append the header of the assistant's turn.
-        special_tokens: bos_token, eos_token, ... exposed to the template.
+        special_tokens: bos_token, eos_token, ... exposed to the template (and `tools`, when given).
     Returns:
         The rendered prompt (special tokens as text; encode it without adding more).
     """

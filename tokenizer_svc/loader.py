@@ -20,7 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
-from tokenizer_svc import chat_template
+from tokenizer_svc import chat_template, tool_prompt
 from tokenizer_svc.gguf_vocab import build_tokenizer, read_vocab
 from tokenizer_svc.literal import LiteralSpecials, encode_ids
 
@@ -57,14 +57,18 @@ class ModelTokenizer:
     def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation (raises ChatTemplateError)."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text of a conversation (raises ChatTemplateError); `tools` is the template's
+        variable of that name (HF's `apply_chat_template(tools=...)`), not given when None."""
         if not self.chat_template:
             raise chat_template.ChatTemplateError("model has no chat template")
-        return chat_template.render(self.chat_template, messages, add_generation_prompt, self._template_vars())
+        variables: dict[str, Any] = self._template_vars() if tools is None else {**self._template_vars(), "tools": tools}
+        return chat_template.render(self.chat_template, messages, add_generation_prompt, variables)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    encode_prompt: Callable[[str], list[int]] | None = None) -> list[int]:
+                    encode_prompt: Callable[[str], list[int]] | None = None,
+                    tools: tuple[tool_prompt.ToolRow, ...] = ()) -> list[int]:
         """Token ids of a conversation: the rendered template, encoded without adding special tokens
         (the template writes them), as `apply_chat_template(tokenize=True)` does, except that special
         tokens written in roles and contents stay text (tokenizer_svc/literal.py).
@@ -72,9 +76,22 @@ class ModelTokenizer:
         Args:
             encode_prompt: how to encode a rendered prompt none of whose messages spells a special
                 token (default: encode()); the pool passes its segment-caching encoder.
+            tools: the functions the model may call (tokenizer_svc/tool_prompt.py renders them and
+                the messages' tool calls and tool turns).
         """
-        return self.literal.encode_chat(messages, lambda m: self.render_chat(m, add_generation_prompt),
+        template_tools = None
+        if self.chat_template and tool_prompt.uses_tools(messages, tools):
+            messages, template_tools = tool_prompt.prepare(self.chat_template, messages, tools)
+            self._refuse_special_tokens(messages, template_tools)
+        return self.literal.encode_chat(messages, lambda m: self.render_chat(m, add_generation_prompt, template_tools),
                                         encode_prompt or self.encode)
+
+    def _refuse_special_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+        """Tool definitions and calls handed to a template's own tool syntax are not contents, which
+        literal.py keeps as text: one that spells a special token is refused instead."""
+        structured = json.dumps([tools, [m.get("tool_calls") for m in messages]], ensure_ascii=False)
+        if self.literal.contains(structured):
+            raise chat_template.ChatTemplateError("tools and tool calls must not contain special tokens")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

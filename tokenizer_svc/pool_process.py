@@ -80,10 +80,11 @@ class PoolProcess:
                                                          special_tokens_as_text=not allow_special_tokens))
 
     def _chat(self, task: Task) -> array:
-        messages, add_generation_prompt = task.args
-        conversation = [{"role": r, "content": c} for r, c in messages]
+        messages, add_generation_prompt, *tools = task.args
+        conversation = [_message(*m) for m in messages]
         return array("I", self.models[task.model].encode_chat(conversation, add_generation_prompt,
-                                                              encode_prompt=self.segments[task.model].encode))
+                                                              encode_prompt=self.segments[task.model].encode,
+                                                              tools=tools[0] if tools else ()))
 
     def _decode(self, task: Task) -> str:
         ids, skip_special_tokens = task.args
@@ -93,6 +94,16 @@ class PoolProcess:
         frame = protocol.pack(message)
         with self.send_lock:
             self.sock.sendall(frame)
+
+
+def _message(role: str, content: str, tool_calls: tuple = (), tool_call_id: str = "") -> dict[str, Any]:
+    """A message dict from its protocol.OP_CHAT row (the tool fields only where a message has them)."""
+    message: dict[str, Any] = {"role": role, "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    if tool_call_id:
+        message["tool_call_id"] = tool_call_id
+    return message
 
 
 def main(sock: socket.socket, models: dict[str, ModelTokenizer], segment_cache_bytes: int) -> None:

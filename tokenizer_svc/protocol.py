@@ -21,6 +21,8 @@ HEADER = struct.Struct("!I")
 # Ops a pool process runs: name → (args).
 OP_ENCODE = "encode"   # (text: str, add_special_tokens: bool, allow_special_tokens: bool) → array('I')
 OP_CHAT = "chat"       # (messages: tuple[tuple[str, str], ...], add_generation_prompt: bool) → array('I')
+                       # with tools: a third arg, tuple[(name, description, schema)], and messages that
+                       # carry them are (role, content, ((id, name, arguments), ...), tool_call_id)
                        # special tokens spelled in messages (or, unless allowed, in text) stay text
 OP_DECODE = "decode"   # (ids: array('I'), skip_special_tokens: bool) → str
 

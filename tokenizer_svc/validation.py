@@ -48,16 +48,25 @@ def _chat_op(request: pb.EncodeRequest, limits: Limits, prefix: str) -> Op:
     count = len(request.messages)
     if count > limits.max_messages:
         raise InvalidArgument(prefix + "messages", f"{count} messages; at most {limits.max_messages}")
-    size = 0
+    size = sum(t.ByteSize() for t in request.tools)
     for i, message in enumerate(request.messages):
         if not message.role:
             raise InvalidArgument(f"{prefix}messages[{i}].role", "must not be empty")
         size += len(message.role.encode("utf-8")) + len(message.content.encode("utf-8"))
+        size += sum(c.ByteSize() for c in message.tool_calls) + len(message.tool_call_id)
     if size > limits.max_text_bytes:
         raise InvalidArgument(prefix + "messages", f"{size} bytes of content; at most {limits.max_text_bytes}")
     add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-    messages = tuple((m.role, m.content) for m in request.messages)
-    return Op(protocol.OP_CHAT, (messages, add_generation_prompt), size)
+    messages = tuple(_message_row(m) for m in request.messages)
+    tools = tuple((t.name, t.description, t.parameters_json_schema) for t in request.tools)
+    return Op(protocol.OP_CHAT, (messages, add_generation_prompt, *((tools,) if tools else ())), size)
+
+
+def _message_row(m) -> tuple:
+    """A message as protocol.OP_CHAT carries it: (role, content), plus its tool fields where it has any."""
+    if not m.tool_calls and not m.tool_call_id:
+        return (m.role, m.content)
+    return (m.role, m.content, tuple((c.id, c.name, c.arguments_json) for c in m.tool_calls), m.tool_call_id)
 
 
 def batch_size(request: pb.EncodeBatchRequest, limits: Limits) -> int:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ResolvedSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "repetition_penalty", "stop_token_ids", "response_format", "logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "repetition_penalty", "stop_token_ids", "response_format", "logprobs", "top_logprobs", "tool_grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class ResolvedSampling(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -29,7 +30,8 @@ class ResolvedSampling(_message.Message):
     response_format: _inference_pb2.ResponseFormat
     logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[_inference_pb2.ResponseFormat, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    tool_grammar: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., response_format: _Optional[_Union[_inference_pb2.ResponseFormat, _Mapping]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., tool_grammar: _Optional[str] = ...) -> None: ...
 
 class WorkItem(_message.Message):
     __slots__ = ("request_id", "tenant", "model", "prompt_token_ids", "sampling", "priority", "deadline_unix_ms", "arrival_unix_ms", "enqueued_unix_ms", "events_key", "cancel_key", "generated_token_ids", "deliveries", "cache_salt", "dispatch_epoch", "tenant_weight", "trace_context", "n", "choices", "slo_ttft_ms", "slo_tpot_ms")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmserve.v1 import inference_pb2 as llmserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmserve/v1/tokenizer.proto\x12\x0bllmserve.v1\x1a\x1bllmserve/v1/inference.proto\"\xd0\x01\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08\x12\x1c\n\x14\x61llow_special_tokens\x18\x06 \x01(\x08\x42\x18\n\x16_add_generation_prompt\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"B\n\x12\x45ncodeBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.llmserve.v1.EncodeRequest\"C\n\x13\x45ncodeBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.llmserve.v1.EncodeResponse\"N\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x14TokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"e\n\rTokenizerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r2\xb6\x02\n\tTokenizer\x12\x41\n\x06\x45ncode\x12\x1a.llmserve.v1.EncodeRequest\x1a\x1b.llmserve.v1.EncodeResponse\x12P\n\x0b\x45ncodeBatch\x12\x1f.llmserve.v1.EncodeBatchRequest\x1a .llmserve.v1.EncodeBatchResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.llmserve.v1.DecodeRequest\x1a\x1b.llmserve.v1.DecodeResponse\x12Q\n\x10GetTokenizerInfo\x12!.llmserve.v1.TokenizerInfoRequest\x1a\x1a.llmserve.v1.TokenizerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bllmserve/v1/tokenizer.proto\x12\x0bllmserve.v1\x1a\x1bllmserve/v1/inference.proto\"\xf2\x01\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.llmserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08\x12\x1c\n\x14\x61llow_special_tokens\x18\x06 \x01(\x08\x12 \n\x05tools\x18\x07 \x03(\x0b\x32\x11.llmserve.v1.ToolB\x18\n\x16_add_generation_prompt\"#\n\x0e\x45ncodeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"B\n\x12\x45ncodeBatchRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.llmserve.v1.EncodeRequest\"C\n\x13\x45ncodeBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.llmserve.v1.EncodeResponse\"N\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x14TokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"e\n\rTokenizerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\r2\xb6\x02\n\tTokenizer\x12\x41\n\x06\x45ncode\x12\x1a.llmserve.v1.EncodeRequest\x1a\x1b.llmserve.v1.EncodeResponse\x12P\n\x0b\x45ncodeBatch\x12\x1f.llmserve.v1.EncodeBatchRequest\x1a .llmserve.v1.EncodeBatchResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x1a.llmserve.v1.DecodeRequest\x1a\x1b.llmserve.v1.DecodeResponse\x12Q\n\x10GetTokenizerInfo\x12!.llmserve.v1.TokenizerInfoRequest\x1a\x1a.llmserve.v1.TokenizerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmserve.v1.tokenizer_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENCODEREQUEST']._serialized_start=74
-  _globals['_ENCODEREQUEST']._serialized_end=282
-  _globals['_ENCODERESPONSE']._serialized_start=284
-  _globals['_ENCODERESPONSE']._serialized_end=319
-  _globals['_ENCODEBATCHREQUEST']._serialized_start=321
-  _globals['_ENCODEBATCHREQUEST']._serialized_end=387
-  _globals['_ENCODEBATCHRESPONSE']._serialized_start=389
-  _globals['_ENCODEBATCHRESPONSE']._serialized_end=456
-  _globals['_DECODEREQUEST']._serialized_start=458
-  _globals['_DECODEREQUEST']._serialized_end=536
-  _globals['_DECODERESPONSE']._serialized_start=538
-  _globals['_DECODERESPONSE']._serialized_end=568
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=570
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=607
-  _globals['_TOKENIZERINFO']._serialized_start=609
-  _globals['_TOKENIZERINFO']._serialized_end=710
-  _globals['_TOKENIZER']._serialized_start=713
-  _globals['_TOKENIZER']._serialized_end=1023
+  _globals['_ENCODEREQUEST']._serialized_end=316
+  _globals['_ENCODERESPONSE']._serialized_start=318
+  _globals['_ENCODERESPONSE']._serialized_end=353
+  _globals['_ENCODEBATCHREQUEST']._serialized_start=355
+  _globals['_ENCODEBATCHREQUEST']._serialized_end=421
+  _globals['_ENCODEBATCHRESPONSE']._serialized_start=423
+  _globals['_ENCODEBATCHRESPONSE']._serialized_end=490
+  _globals['_DECODEREQUEST']._serialized_start=492
+  _globals['_DECODEREQUEST']._serialized_end=570
+  _globals['_DECODERESPONSE']._serialized_start=572
+  _globals['_DECODERESPONSE']._serialized_end=602
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=604
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=641
+  _globals['_TOKENIZERINFO']._serialized_start=643
+  _globals['_TOKENIZERINFO']._serialized_end=744
+  _globals['_TOKENIZER']._serialized_start=747
+  _globals['_TOKENIZER']._serialized_end=1057
 # @@protoc_insertion_point(module_scope)
