@@ -82,8 +82,10 @@ async def test_a_gateway_started_before_redis_waits_for_it(waiting_gateway):
             assert reply.json()["error"]["type"] == "service_unavailable", reply.text
             assert "waiting for redis" in reply.json()["error"]["message"], reply.text
         assert (await http.get("/ready")).status_code == 503
-        assert gateway.alive()
-        assert "redis not reachable yet; waiting" in gateway.log_tail(50)
+        deadline = time.monotonic() + 60
+        while "redis not reachable yet; waiting" not in gateway.log_tail(50):   # the wait says so
+            assert gateway.alive() and time.monotonic() < deadline, gateway.log_tail(50)
+            await asyncio.sleep(0.05)
 
         valkey.start()
         await asyncio.to_thread(gateway.wait_serving, time.monotonic() + 120)
