@@ -27,7 +27,8 @@ has beaten since the kill and a probe request completes. It prints, and writes a
                 redelivery (at-least-once) that the index dedupe hid from the caller (informational)
   longest_stall_s  the longest any stream waited for its next chunk
   kills, faults the kills per service; per kill: victim, seconds after start, recovery seconds,
-                the longest stall of a stream across it
+                and its stall: the longest wait for a chunk that ended between this kill and the
+                next (a stream's wait for its first chunk included)
 
 Exit status 0 when every goal is met and every fault recovered. Needs the model in the cache
 (`llmserve fetch-model`). The opt-in test tests/fault/test_chaos.py (LLMSERVE_CHAOS=1) runs it.
@@ -57,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 from llmserve import keys, queue  # noqa: E402
 from llmserve.client import Client, LLMServeError, RetryPolicy  # noqa: E402
 from llmserve.clock import now_ms  # noqa: E402
-from llmserve.loadgen.streams import PROMPTS, StreamLoad, StreamRecord, stall_s  # noqa: E402
+from llmserve.loadgen.streams import PROMPTS, StreamLoad, StreamRecord  # noqa: E402
 from tests.fault.up_process import UpProcess  # noqa: E402
 
 SERVICES = ("gpu_worker", "batcher", "tokenizer_svc", "gateway", "valkey")
@@ -72,7 +73,7 @@ class Fault:
     victim: str
     at_s: float                       # seconds after the load started
     recovery_s: float | None = None   # None: not whole again within RECOVERY_LIMIT_S
-    stall_s: float | None = None      # the longest wait of a stream for its next chunk across the kill
+    stall_s: float | None = None      # the longest wait for a chunk that ended before the next kill
 
 
 @dataclass
@@ -247,10 +248,17 @@ def judge(waves: list[Wave], first: Wave, timeout_s: float) -> dict[str, list[st
     return out
 
 
-def longest_stall_s(records: list[StreamRecord]) -> float:
-    """The longest wait of any stream for its next chunk (its first one included)."""
-    gaps = [b - a for r in records for a, b in zip([r.start_s, *r.chunk_times_s], r.chunk_times_s)]
-    return max(gaps, default=0.0)
+def waits(records: list[StreamRecord]) -> list[tuple[float, float]]:
+    """Every wait of a stream for its next chunk (its first one included), as (ended at, seconds)."""
+    return [(b, b - a) for r in records for a, b in zip([r.start_s, *r.chunk_times_s], r.chunk_times_s)]
+
+
+def stalls_after(faults: list[Fault], started: float, records: list[StreamRecord]) -> None:
+    """Each fault's stall: the longest wait that ended between it and the next fault (or the end)."""
+    all_waits = waits(records)
+    for fault, later in zip(faults, [*faults[1:], None]):
+        start, end = started + fault.at_s, started + later.at_s if later else float("inf")
+        fault.stall_s = max((s for at, s in all_waits if start <= at < end), default=None)
 
 
 def machine() -> dict:
@@ -284,13 +292,12 @@ def run(args: argparse.Namespace) -> dict:
             code = up.stop()
     later = waves.waves[1:]
     records = [r for wave in later for r in wave.records]
-    for fault in faults:
-        fault.stall_s = stall_s(records, started + fault.at_s)
+    stalls_after(faults, started, records)
     misses = judge(later, first, args.timeout_s)
     return {**host, "duration_s": args.duration_s, "workers": args.workers, "streams": args.streams,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "requests": len(records),
             **{goal: len(missed) for goal, missed in misses.items()},
-            "longest_stall_s": round(longest_stall_s(records), 2),
+            "longest_stall_s": round(max((s for _, s in waits(records)), default=0.0), 2),
             "kills": dict(Counter(service_of(f.victim) for f in faults)),
             "faults": [asdict(f) for f in faults], "up_exit_code": code, "misses": misses}
 
@@ -308,7 +315,7 @@ def report(result: dict) -> bool:
     for fault in result["faults"]:
         rec, stall = fault["recovery_s"], fault["stall_s"]
         print(f"  {fault['victim']:<14} at {fault['at_s']:6.1f} s: recovered in "
-              f"{'never' if rec is None else f'{rec:.1f} s'}, longest stall across it "
+              f"{'never' if rec is None else f'{rec:.1f} s'}, stall until the next kill "
               f"{'-' if stall is None else f'{stall:.1f} s'}")
     recovered = all(f["recovery_s"] is not None for f in result["faults"])
     return recovered and result["up_exit_code"] == 0 and not any(misses[goal] for goal in GOALS)
