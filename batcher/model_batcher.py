@@ -93,6 +93,8 @@ class ModelBatcher:
             except NoScriptError:
                 await self.scripts.load()  # Redis restarted or flushed its script cache
             except REDIS_TROUBLE as exc:
+                if redis_client.is_wrong_type(exc):
+                    raise           # not an outage: no retry mends a key of the wrong type
                 logger.warning("redis error in batch loop", model=self.model, error=repr(exc))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

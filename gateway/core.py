@@ -6,6 +6,9 @@ into both fronts (gateway/grpc_front.py, gateway/openai_http.py), which only tra
             ─ formats (response_format compiles)                  flow (one request end to end)
 
     start ─▶ serving ─▶ drain (no new requests; streams go on) ─▶ close
+      │
+      └ waits for Redis (redis_wait_s, llmserve/redis_client.connect_when_up) and tokenizer_svc:
+        until both answer, health is NOT_SERVING and every call UNAVAILABLE (HTTP 503), retryable.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
 
 from gateway.calls import ratelimit_headers, rejection
 from gateway.config import GatewaySettings
@@ -25,7 +30,8 @@ from gateway.tenants import TenantRegistry
 from gateway.tokenizer_client import TokenizerClient
 from gateway.validation import check_input
 from llmserve import redis_client
-from llmserve.errors import InvalidArgument
+from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.redis_client import ClusterClient
 from llmserve.v1 import inference_pb2 as pb
 
 
@@ -35,37 +41,62 @@ class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.tenants = TenantRegistry(settings.tenants).load()
-        self.redis = redis_client.connect(settings.redis_url, settings.redis_password)
-        self.blocking = redis_client.connect(settings.redis_url, settings.redis_password, socket_timeout=10.0,
-                                             max_connections=settings.max_streams)
         self.models = settings.models_config()
         self.tokenizers = TokenizerClient(self.models.ids, settings.tokenizer_target, settings.tokenizer_timeout_s)
-        self.router = Router(self.models, self.redis, settings.route_refresh_ms / 1000,
-                             settings.worker_heartbeat_ttl_ms, settings.queue_shards)
-        self.quota = Quota(self.redis, settings.lease_ttl_s, settings.concurrency_retry_ms)
         self.formats = FormatCompiler(settings.grammar_compile_timeout_s, settings.grammar_threads)
-        self.flow = Flow(settings, self.redis, self.blocking, self.tokenizers, self.quota, self.router, self.formats)
+        self.redis: aioredis.Redis | ClusterClient | None = None      # from start() on; with it the parts below
+        self.blocking: aioredis.Redis | ClusterClient | None = None
+        self.router: Router
+        self.quota: Quota
+        self.flow: Flow
+        self.started = False
         self.serving = False
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Reach Redis and tokenizer_svc, load the model infos, start routing; then serve."""
+        """Wait for Redis and tokenizer_svc, load the model infos, start routing; then serve."""
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.tenants.reload)
-        await self.redis.ping()
+        await self._connect()
         await self.tokenizers.load(self.settings.tokenizer_wait_s)
         await self.router.start()
-        self.serving = True
+        self.started = self.serving = True
+
+    async def _connect(self) -> None:
+        """The Redis clients (once Redis answers) and everything that talks through them."""
+        settings = self.settings
+        self.redis = await redis_client.connect_when_up(settings.redis_url, settings.redis_password,
+                                                        wait_s=settings.redis_wait_s)
+        self.blocking = await redis_client.connect_when_up(settings.redis_url, settings.redis_password,
+                                                           wait_s=settings.redis_wait_s, socket_timeout=10.0,
+                                                           max_connections=settings.max_streams)
+        self.router = Router(self.models, self.redis, settings.route_refresh_ms / 1000,
+                             settings.worker_heartbeat_ttl_ms, settings.queue_shards)
+        self.quota = Quota(self.redis, settings.lease_ttl_s, settings.concurrency_retry_ms)
+        self.flow = Flow(settings, self.redis, self.blocking, self.tokenizers, self.quota, self.router, self.formats)
+
+    def check_serving(self) -> None:
+        """Refuse a call while the gateway is not serving (starting, or draining); retryable.
+
+        Raises:
+            Unavailable: saying which.
+        """
+        if self.serving:
+            return
+        if self.started:
+            raise Unavailable("draining: this gateway takes no new requests; retry")
+        raise Unavailable("starting: waiting for redis and tokenizer_svc; retry")
 
     async def drain(self) -> None:
         """No new requests from here on (both fronts refuse them); in-flight streams go on."""
         self.serving = False
 
     async def close(self) -> None:
-        await self.flow.drain()
-        await self.router.close()
+        if self.redis is not None and self.blocking is not None:
+            await self.flow.drain()
+            await self.router.close()
+            await self.redis.aclose()
+            await self.blocking.aclose()
         await self.tokenizers.close()
-        await self.redis.aclose()
-        await self.blocking.aclose()
         self.formats.close()
 
     # -- what a call can ask -------------------------------------------------------------------------------

@@ -72,9 +72,9 @@ class InferenceService:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
     async def start(self) -> None:
-        await self.gateway.start()
-        if self.http is not None:
+        if self.http is not None:       # first: while the gateway waits for Redis, HTTP answers 503
             await self.http.start()
+        await self.gateway.start()
 
     async def drain(self) -> None:
         await self.gateway.drain()

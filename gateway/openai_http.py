@@ -131,14 +131,14 @@ class OpenAIHttp:
 
     # -- one completion ----------------------------------------------------------------------------------
     def _call(self, request: Request) -> Call:
-        return open_call(self.gateway.tenants, request.headers, request.headers.get("x-request-id", ""), self.timeout_s)
+        call = open_call(self.gateway.tenants, request.headers, request.headers.get("x-request-id", ""), self.timeout_s)
+        self.gateway.check_serving()       # 503 while it starts (waiting for Redis) or drains
+        return call
 
     async def _generate(self, request: Request, method: str, parse, kind: str) -> Response:
         call = None
         try:
             call = self._call(request)
-            if not self.gateway.serving:
-                raise Unavailable("draining: this gateway takes no new requests; retry")
             parsed = parse(parse_json(await read_body(request, self.max_body_bytes)))
             parsed.request.request_id = call.request_id
             if parsed.user:

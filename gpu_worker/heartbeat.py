@@ -4,6 +4,7 @@ The batcher treats a worker as alive while `sent_unix_ms` is recent and `drainin
 A write Redis cannot take now (down, OOM under `noeviction`, READONLY in a failover, loading)
 is retried with jittered backoff; after `give_up_s` without one written the task raises, so
 the worker fails (health NOT_SERVING, exit 1) instead of serving on unseen by the batcher.
+Any other error (WRONGTYPE: the workers hash is not a hash) is no outage and ends the task at once.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ REDIS_URL_FILE = STATE_DIR / "redis-url"
 def _up(args: argparse.Namespace) -> int:
     from llmserve.log import configure_logging
     from llmserve.stack import DEFAULT_TENANTS, Stack, StackConfig
-    from llmserve.supervisor import Supervisor
+    from llmserve.supervisor import REFUSED_EXIT_CODE, Supervisor, refusal
 
     configure_logging("llmserve-up")
     state_dir = STATE_DIR.resolve()
@@ -43,7 +43,15 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGHUP, lambda *_: roll.set())
     what = f"models of {models_file}" if models_file else f"model {args.model}, {args.workers} worker(s)"
     print(f"starting llmserve ({what}, device {args.device}); logs in {log_dir}/", flush=True)
-    stack = Stack(config).start()
+    stack = Stack(config)
+    try:
+        stack.start()
+    except RuntimeError:                 # a child exited before SERVING (the stack is stopped)
+        refused = [said for child in stack.services.values() if (said := refusal(child))]
+        if not refused:
+            raise
+        print("\n".join(refused), file=sys.stderr, flush=True)
+        return REFUSED_EXIT_CODE
     redis_url_file = _record_redis_url(state_dir, stack.redis_url)
     supervisor = Supervisor(stack, say=lambda text: print(text, file=sys.stderr, flush=True))
     try:

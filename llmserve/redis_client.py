@@ -16,6 +16,11 @@ connection. `UNAVAILABLE_ERRORS` is the one list of "Redis cannot take commands 
 every service (llmserve/retry.py, the status mapping of llmserve/server.py, the worker and
 batcher loops). Multi-key commands, scripts and MULTI must keep their keys in one hash slot
 (llmserve/keys.py); the cluster client refuses any that do not before sending them.
+
+WRONGTYPE is not among them: Redis is up and answered that a key llmserve owns holds another type
+(another application writing under `llmserve:`, a stray SET by hand, two llmserve versions that
+disagree). Waiting cannot mend it, so `is_wrong_type` lets a retrying loop stop retrying and fail
+its service loudly (the key is in the logged error) instead of riding it out as an outage.
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.SlotNotCoveredError,    # the slot map is being rebuilt
     redis.exceptions.ClusterError,           # "TTL exhausted": redirects and reconnects ran out mid-failover
 )
+
+
+
+def is_wrong_type(exc: BaseException) -> bool:
+    """A WRONGTYPE reply: a key holds another type than the command needs. Not an outage (see the
+    module docstring): the caller fails instead of retrying."""
+    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith("WRONGTYPE")
+
 
 _PROBE_TIMEOUT_S = 2.0
 

@@ -4,12 +4,16 @@
     child exits (crash, kill -9, drained by SIGTERM)  ─▶ started again after a backoff (doubling, capped)
     5 exits within 60 s (a crash loop)                ─▶ its log tail printed once; retried every 30 s
                                                          until it runs 60 s without exiting
+    exit code 2 (a refused configuration)             ─▶ its own one line said on up's terminal; not restarted
     SIGHUP to `up` (roll_workers)                     ─▶ each worker in turn: drain ─▶ exit ─▶ start ─▶ SERVING
 
 The children are the services and the Valkey `up` started (same port, same AOF). Nothing is
 given up for good: a service that crash-loops because a dependency is down (Redis, the tokenizer)
-comes back once the dependency does. Every exit and restart is logged with structured fields
-(service, exit code, restarts so far, delay, crash_looping).
+comes back once the dependency does. The one exception is exit code 2, a service's "my
+configuration is wrong" (gpu_worker's refusal of an unsupported model, a bad flag): starting it
+again cannot help, so `up` says the line the child wrote last and what the operator must change,
+and leaves that child stopped while the others run. Every exit and restart is logged with
+structured fields (service, exit code, restarts so far, delay, crash_looping).
 
 `poll()` runs on `up`'s main thread; a roll runs on a thread of its own and holds the
 worker it is replacing, so `poll()` leaves that one alone.
@@ -31,6 +35,10 @@ import structlog
 from llmserve.stack import ServiceProcess, Stack
 
 logger = structlog.get_logger(__name__)
+
+# A service refusing its configuration (an unsupported model, a bad flag; argparse's code too):
+# no restart can help.
+REFUSED_EXIT_CODE = 2
 
 
 class Child(Protocol):
@@ -65,6 +73,19 @@ class _Slot:
     started_at: float | None = None   # when it was last started by the supervisor
     restarts: int = 0
     crash_looping: bool = False
+    refused: bool = False             # exited REFUSED_EXIT_CODE: left stopped
+
+
+def refusal(child: Child) -> str | None:
+    """What `up` tells the operator about a child that exited REFUSED_EXIT_CODE (None for any other
+    exit): the one line the child wrote last, and what to change."""
+    if child.exit_code != REFUSED_EXIT_CODE:
+        return None
+    lines = [line for line in child.log_tail(10).splitlines() if line.strip()]
+    line = lines[-1] if lines else f"(nothing in {child.log_path})"
+    return (f"{child.name} refused its configuration (exit code {REFUSED_EXIT_CODE}): {line}\n"
+            f"  not restarting it: change what that line names (--model, the models file, a flag) and start "
+            f"`llmserve up` again")
 
 
 class Supervisor:
@@ -106,7 +127,7 @@ class Supervisor:
                 return
             for child in self.children():
                 slot = self.slots.setdefault(child.name, _Slot())
-                if child.name in self._held or child.alive():
+                if child.name in self._held or slot.refused or child.alive():
                     continue
                 if slot.restart_at is None:
                     self._exited(child, slot, now)
@@ -125,6 +146,13 @@ class Supervisor:
         logger.info("service restarted", service=child.name, restarts=slot.restarts, crash_looping=slot.crash_looping)
 
     def _exited(self, child: Child, slot: _Slot, now: float) -> None:
+        said = refusal(child)
+        if said is not None:
+            slot.refused = True
+            self.say(f"{said}; the other services keep running")
+            logger.error("service refused its configuration; not restarting it", service=child.name,
+                         code=child.exit_code, restarts=slot.restarts)
+            return
         if slot.started_at is not None and now - slot.started_at >= self.policy.crash_loop_window_s:
             slot.exits.clear()            # it ran a whole window: whatever looped is over
             slot.crash_looping = False

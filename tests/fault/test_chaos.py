@@ -1,6 +1,7 @@
 """Opt-in chaos run (LLMSERVE_CHAOS=1; LLMSERVE_CHAOS_DURATION_S, default 600): bench/chaos.py
-kills a random child of `llmserve up` every 20-40 s under steady load; every goal must be met
-(no request lost, hung, with bad indices or diverged; every fault recovered)."""
+kills -9 each child of `llmserve up` in turn (worker, batcher, tokenizer, gateway, Valkey) at
+random 20-40 s intervals under steady seeded streams; every goal must be met (no request lost,
+duplicated, with a gap, different from the fault-free run or hung; every fault recovered)."""
 
 from __future__ import annotations
 
