@@ -127,7 +127,8 @@ class WorkerService:
             self.redis, self.model_id, self.worker_id, self.settings.admin_address(),
             self.settings.heartbeat_s, self.settings.block_size, self.settings.max_running,
             snapshot=lambda: self.loop.snapshot, draining=lambda: self.draining, shard=self.shard,
-            give_up_s=self.settings.heartbeat_give_up_s)
+            give_up_s=self.settings.heartbeat_give_up_s, architecture=self.engine.model.config.architecture,
+            weight_format=self.engine.model.weight_format)
         self.tasks.start("engine-loop", self.loop.run())
         self.tasks.start("heartbeat", self.heartbeat.run())
         logger.info("worker ready", worker_id=self.worker_id, model=self.model_id, queue_shard=self.shard,

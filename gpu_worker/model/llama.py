@@ -28,6 +28,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
+from gpu_worker.model.weight_format import dense_format
 from gpu_worker.ops import get_backend
 from gpu_worker.ops.backend import Backend, LinearWeight
 from gpu_worker.ops.weights.gguf_weight import FileTensor
@@ -133,6 +134,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.config = config
+        # what the GEMMs run on (model/weight_format.py); load_model names it once the backend prepared them
+        self.weight_format = dense_format(dtype)
         kw = dict(device=device, dtype=dtype)
         self.embed = _param(c.vocab_size, c.hidden_size, **kw)  # [V, H]
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, device, dtype) for i in range(c.num_layers))
