@@ -193,10 +193,10 @@ class LlamaModel(nn.Module):
                    kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, H] embeddings -> (last layer's output [T, H], its residual [T, H])."""
         residual: torch.Tensor | None = None
+        groups = [meta.for_group(g) for g in range(len(kv_cache.layout.windows))]
         for i, layer in enumerate(self.layers):
-            h, residual = layer(
-                ops, positions, h, residual, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], self._rope(i)
-            )
+            h, residual = layer(ops, positions, h, residual, groups[kv_cache.layout.layer_group[i]],
+                                kv_cache.k_caches[i], kv_cache.v_caches[i], self._rope(i))
         assert residual is not None, "a model has at least one layer"
         return h, residual
 
