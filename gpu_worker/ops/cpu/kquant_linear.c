@@ -21,7 +21,7 @@
  * each half is scaled lane-wise by its own sub-block scale (16-weight sub-blocks cost nothing
  * extra); a legacy type has one scale a block, so its halves add as integers first (one conversion
  * and fma a pair). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a
- * pair. Q5's fifth bit joins the nibbles as bytes, so the codes widen to 16 bits once.
+ * pair. Q5's fifth bit and Q6's top two join the nibbles as bytes, so the codes widen to 16 bits once.
  * Every partial integer sum is below 2^24 (codes <= 63, |x| <= 2^15 - 1, 4 products a lane).
  *
  * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
@@ -43,7 +43,8 @@ static void sub_block_sums(const QuantRows q, int M, int pairs, float *__restric
     }
 }
 
-/* the nibble plane as byte codes: lo [A 8c..8c+7 | ...] for c = 0, 1 in each lane's bytes 0-7, 8-15, hi for c = 2, 3 */
+/* the nibble plane as byte codes: lo holds c = 0, 1 in each lane's bytes 0-7, 8-15 (lane 0 A's weights
+ * 8c..8c+7, lane 1 B's), hi c = 2, 3 */
 static inline void nibble_bytes(const uint8_t *p, __m256i *lo, __m256i *hi) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -63,63 +64,69 @@ static inline void nibble_plane(const uint8_t *p, __m256i v[4]) {
     widen(lo, hi, v);
 }
 
-/* The bit plane as byte codes laid out as nibble_bytes' (16 where the bit is set, else 0): each lane
+/* The bit plane as byte codes laid out as nibble_bytes' (1 << at where the bit is set, else 0): each lane
  * broadcasts its block's 4 bytes, byte c spread over the 8 bytes of weights 8c..8c+7, one bit each. */
-static inline void bit_bytes(const uint8_t *p, __m256i *lo, __m256i *hi) {
+static inline void bit_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
     const __m128i ab = _mm_loadl_epi64((const __m128i *)p); /* A's 4 bytes, B's 4 */
     const __m256i t = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(ab),
                                                   _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* [A x4 | B x4] */
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL), sixteen = _mm256_set1_epi8(16);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i value = _mm256_set1_epi8((char)(1 << at));
     const __m256i c01 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                          0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m256i c23 = _mm256_add_epi8(c01, _mm256_set1_epi8(2));
     const __m256i b01 = _mm256_and_si256(_mm256_shuffle_epi8(t, c01), bit);
     const __m256i b23 = _mm256_and_si256(_mm256_shuffle_epi8(t, c23), bit);
-    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(b01, bit), sixteen);
-    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b23, bit), sixteen);
+    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(b01, bit), value);
+    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b23, bit), value);
 }
 
 /* 5-bit codes: the fifth bit joins the nibbles as bytes, before one widening (not a widening each) */
 static inline void nibble_bit_planes(const uint8_t *p, __m256i v[4]) {
     __m256i lo, hi, bit_lo, bit_hi;
     nibble_bytes(p, &lo, &hi);
-    bit_bytes(p + 32, &bit_lo, &bit_hi);
+    bit_bytes(p + 32, 4, &bit_lo, &bit_hi);
     widen(_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi), v);
 }
 
-/* v[c] (|)= the crumb plane's 2-bit fields << shift */
-static inline void crumb_plane(const uint8_t *p, __m256i v[4], int shift, int add) {
-    /* lane 0: A's 8 bytes, lane 1: B's */
+/* The crumb plane as byte codes laid out as nibble_bytes', each crumb at bit `at` (0 or 4): each lane
+ * holds its block's 8 bytes twice, a 64-bit lane's mask picks crumb c and its shift moves it to bit 0. */
+static inline void crumb_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
     const __m256i t = _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)), 0x50);
-    const __m256i three = _mm256_set1_epi8(3), zero = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        const __m256i u = _mm256_and_si256(_mm256_srli_epi16(t, 2 * c), three);
-        const __m256i w = _mm256_slli_epi16(_mm256_unpacklo_epi8(u, zero), shift);
-        v[c] = add ? _mm256_or_si256(v[c], w) : w;
-    }
+    const __m256i c01 = _mm256_setr_epi64x(0x0303030303030303LL, 0x0C0C0C0C0C0C0C0CLL,
+                                           0x0303030303030303LL, 0x0C0C0C0C0C0C0C0CLL);
+    const __m256i c23 = _mm256_slli_epi64(c01, 4); /* 0x30.., 0xC0.. */
+    *lo = _mm256_slli_epi64(_mm256_srlv_epi64(_mm256_and_si256(t, c01), _mm256_setr_epi64x(0, 2, 0, 2)), at);
+    *hi = _mm256_slli_epi64(_mm256_srlv_epi64(_mm256_and_si256(t, c23), _mm256_setr_epi64x(4, 6, 4, 6)), at);
 }
 
-/* v[c] |= the bit plane's bits << shift */
-static inline void bit_plane(const uint8_t *p, __m256i v[4], int shift) {
-    uint32_t a, b;
-    __builtin_memcpy(&a, p, 4);
-    __builtin_memcpy(&b, p + 4, 4);
-    const __m256i t = _mm256_setr_epi32((int)a, 0, 0, 0, (int)b, 0, 0, 0);
-    const __m256i bit = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128,
-                                         1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    const __m256i one = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        const __m256i bytes = _mm256_shuffle_epi8(t, _mm256_set1_epi8((char)c)); /* byte c of each lane */
-        const __m256i set = _mm256_min_epu8(_mm256_and_si256(bytes, bit), one);
-        v[c] = _mm256_or_si256(v[c], _mm256_slli_epi16(_mm256_unpacklo_epi8(set, zero), shift));
-    }
+static inline void crumb_planes(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi;
+    crumb_bytes(p, 0, &lo, &hi);
+    widen(lo, hi, v);
 }
 
-#define CODES_2(p, v) crumb_plane(p, v, 0, 0)
-#define CODES_3(p, v) (crumb_plane(p, v, 0, 0), bit_plane((p) + 16, v, 2))
+/* 3-bit codes: the bits join the crumbs as bytes (at bit 2), before one widening */
+static inline void crumb_bit_planes(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi, bit_lo, bit_hi;
+    crumb_bytes(p, 0, &lo, &hi);
+    bit_bytes(p + 16, 2, &bit_lo, &bit_hi);
+    widen(_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi), v);
+}
+
+/* 6-bit codes: the crumbs join the nibbles as bytes (at bit 4), before one widening */
+static inline void nibble_crumb_planes(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi, crumb_lo, crumb_hi;
+    nibble_bytes(p, &lo, &hi);
+    crumb_bytes(p + 32, 4, &crumb_lo, &crumb_hi);
+    widen(_mm256_or_si256(lo, crumb_lo), _mm256_or_si256(hi, crumb_hi), v);
+}
+
+#define CODES_2(p, v) crumb_planes(p, v)
+#define CODES_3(p, v) crumb_bit_planes(p, v)
 #define CODES_4(p, v) nibble_plane(p, v)
 #define CODES_5(p, v) nibble_bit_planes(p, v)
-#define CODES_6(p, v) (nibble_plane(p, v), crumb_plane((p) + 32, v, 4, 1))
+#define CODES_6(p, v) nibble_crumb_planes(p, v)
 
 /* A weight pair: its codes, the lane scales of its first and second 16 weights of each block
  * ([A x4 | B x4]) and its four sub-block offsets [A0, A1, B0, B1]. */
