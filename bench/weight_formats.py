@@ -6,7 +6,11 @@ One random weight per type of SmolLM2's MLP gate/up shape (N = 3072, K = 576 for
 and its down shape with K a multiple of 256 (N = 576, K = 1536, every type), random blocks with
 finite scales; per type and row count the median of `--repeats` timings of a call (each of enough
 calls to take ~0.2 s), its weight bytes and GB/s of weight read. Also prepacked fp32 (oneDNN) on the
-same shapes. Writes bench/results/weight_formats.json.
+same shapes. Writes bench/results/weight_formats/threads<N>.json.
+
+With `--threads 1` (the default) a call is timed in this thread's CPU time, which other processes
+on a shared machine do not inflate (the kernels run in the calling thread); with more threads, in
+wall time. The JSON says which (`clock`).
 """
 
 from __future__ import annotations
@@ -43,18 +47,18 @@ def weight_bytes(weight: QuantizedWeight | torch.Tensor) -> int:
     return weight.nbytes if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()
 
 
-def seconds_per_call(weight, x: torch.Tensor, repeats: int) -> float:
+def seconds_per_call(weight, x: torch.Tensor, repeats: int, clock=time.perf_counter) -> float:
     linear(x, weight)
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < 0.2:
+    start, calls = clock(), 0
+    while clock() - start < 0.2:
         linear(x, weight)
         calls += 1
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         for _ in range(calls):
             linear(x, weight)
-        times.append((time.perf_counter() - start) / calls)
+        times.append((clock() - start) / calls)
     return statistics.median(times)
 
 
@@ -63,10 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--out", default=str(HERE / "results" / "weight_formats"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
+    clock, clock_name = (time.thread_time, "thread cpu") if args.threads == 1 else (time.perf_counter, "wall")
     results = []
     for n, k in SHAPES:
         types = [T.F32, *(t for t in gguf_blocks.QUANTIZED_TYPES if k % 256 == 0 or t in gguf_blocks.LEGACY_TYPES)]
@@ -75,15 +80,17 @@ def main(argv: list[str] | None = None) -> None:
             nbytes = weight_bytes(weight)
             for m in rows:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                s = seconds_per_call(weight, x, args.repeats)
+                s = seconds_per_call(weight, x, args.repeats, clock)
                 results.append({"type": ggml_type.name, "n": n, "k": k, "rows": m, "us": round(s * 1e6, 1),
                                 "weight_bytes": nbytes, "bits_per_weight": round(8 * nbytes / (n * k), 3),
                                 "weight_gb_s": round(nbytes / s / 1e9, 2)})
                 print(json.dumps(results[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "weight_formats.json").write_text(json.dumps({"threads": args.threads, "results": results}, indent=2))
-    print(f"wrote {out / 'weight_formats.json'}")
+    report = {"threads": args.threads, "clock": clock_name, "results": results}
+    path = out / f"threads{args.threads}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,8 @@ class Gateway:
         concrete = self.tokenizers.list()
         for info in concrete:
             info.kind, info.is_default = pb.MODEL_KIND_CONCRETE, info.id == default
+            if (facts := self.router.facts_of(info.id)) is not None:
+                info.architecture, info.weight_format = facts.architecture, facts.weight_format
         aliases = [pb.ModelInfo(id=alias, kind=pb.MODEL_KIND_ALIAS, is_default=alias == default,
                                 context_length=min(self.tokenizers.context_length(m) for m in weights),
                                 routes=[pb.RouteWeight(model=m, weight=w) for m, w in sorted(weights.items())])

@@ -11,6 +11,8 @@ The weighted pick is a hash of the request id, so a retry with the same request_
 the same version (a resume reads the version from the request's meta and never routes again).
 Weights come from Redis (llmserve/routes.py), live workers from the heartbeats, both re-read
 every `refresh_s` by one background task: a `llmserve route` reaches every gateway within it.
+The same read keeps each concrete model's architecture and weight format as its workers publish
+them (ModelFacts, for ListModels); the last ones seen stay while no worker is up.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class Route:
     model: str       # concrete NAME@VERSION
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a concrete model's workers run (WorkerHeartbeat.architecture, .weight_format; docs/models.md)."""
+
+    architecture: str   # "llama", "qwen3", "gemma2", ...
+    weight_format: str  # "gguf:Q4_K_M", "int4", "bf16", ...
+
+
 def version_of(model_id: str) -> str:
     return model_id.rpartition("@")[2] if "@" in model_id else ""
 
@@ -62,6 +72,7 @@ class Router:
         self.queue_shards = queue_shards
         self.weights: dict[str, dict[str, int]] = {a: dict(w) for a, w in config.aliases.items()}
         self.live: dict[str, int] = {m: 0 for m in config.ids}
+        self.facts: dict[str, ModelFacts] = {}
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -83,10 +94,14 @@ class Router:
                 logger.info("alias weights changed", alias=alias, weights=usable)
                 self.weights[alias] = usable
         for model in self.config.ids:
-            self.live[model] = await self._live_workers(model)
+            await self._read_workers(model)
 
-    async def _live_workers(self, model: str) -> int:
-        return sum(await queue_cells.live_workers(self.redis, model, self.queue_shards, self.heartbeat_ttl_ms))
+    async def _read_workers(self, model: str) -> None:
+        cells = await queue_cells.live_heartbeats(self.redis, model, self.queue_shards, self.heartbeat_ttl_ms)
+        self.live[model] = sum(map(len, cells))
+        beat = next((b for cell in cells for b in cell if b.architecture), None)
+        if beat is not None:
+            self.facts[model] = ModelFacts(beat.architecture, beat.weight_format)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -126,6 +141,10 @@ class Router:
         weights = {m: w for m, w in self.weights[alias].items() if w > 0}
         live = {m: w for m, w in weights.items() if self.live.get(m, 0) > 0}
         return weighted_pick(live or weights, request_id, alias)
+
+    def facts_of(self, model: str) -> ModelFacts | None:
+        """The architecture and weight format a concrete model's workers published; None before any did."""
+        return self.facts.get(model)
 
     def aliases(self) -> dict[str, dict[str, int]]:
         return {a: dict(w) for a, w in self.weights.items()}

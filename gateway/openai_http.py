@@ -114,7 +114,7 @@ class OpenAIHttp:
         try:
             call = self._call(request)
             data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "llmserve",
-                     "context_length": m.context_length} for m in self.gateway.models_for(call)]
+                     "context_length": m.context_length, **_facts(m)} for m in self.gateway.models_for(call)]
             headers = {"x-request-id": call.request_id, **dict(await self.gateway.remaining(call))}
             count("Models", call, "OK")
             return JSONResponse({"object": "list", "data": data}, headers=headers)
@@ -272,6 +272,11 @@ class _Shape:
     def usage_chunk(self, usage: pb.Usage) -> dict:
         obj = "chat.completion.chunk" if self.chat else self.kind
         return {**self._base(obj), "choices": [], "usage": _usage(usage)}
+
+
+def _facts(model: pb.ModelInfo) -> dict:
+    """A concrete model's architecture and weight format, as extra keys of its model object."""
+    return {"architecture": model.architecture, "weight_format": model.weight_format} if model.architecture else {}
 
 
 def _usage(usage: pb.Usage) -> dict:

@@ -30,13 +30,15 @@ class Heartbeat:
 
     Args:
         snapshot: returns the engine's state now; draining: returns whether the worker drains.
+        architecture, weight_format: what the loaded model is (ModelConfig.architecture, LlamaModel.weight_format),
+            for ListModels.
         give_up_s: how long writes may fail in a row before `run()` raises.
     """
 
     def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, admin_address: str,
                  interval_s: float, block_size: int, max_running: int,
                  snapshot: Callable[[], EngineStats], draining: Callable[[], bool], shard: int = 0,
-                 give_up_s: float = 30.0) -> None:
+                 give_up_s: float = 30.0, architecture: str = "", weight_format: str = "") -> None:
         self.redis = redis
         self.key = keys.workers_hash(model, shard)
         self.model = model
@@ -48,6 +50,8 @@ class Heartbeat:
         self.snapshot = snapshot
         self.draining = draining
         self.give_up_s = give_up_s
+        self.architecture = architecture
+        self.weight_format = weight_format
 
     def message(self) -> queue_pb2.WorkerHeartbeat:
         s = self.snapshot()
@@ -56,7 +60,8 @@ class Heartbeat:
             block_size=self.block_size, running=s.running, waiting=s.waiting, max_running=self.max_running,
             draining=self.draining(), sent_unix_ms=now_ms(), cached_prefix_hashes=list(s.cached_prefix_hashes),
             admin_address=self.admin_address, preemptible_seqs=s.preemptible_seqs,
-            preemptible_blocks=s.preemptible_blocks,
+            preemptible_blocks=s.preemptible_blocks, architecture=self.architecture,
+            weight_format=self.weight_format,
         )
 
     async def beat(self) -> None:

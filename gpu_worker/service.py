@@ -132,7 +132,8 @@ class WorkerService:
             redis, self.model_id, self.worker_id, self.settings.admin_address(),
             self.settings.heartbeat_s, self.settings.block_size, self.settings.max_running,
             snapshot=lambda: loop.snapshot, draining=lambda: self.draining, shard=self.shard,
-            give_up_s=self.settings.heartbeat_give_up_s)
+            give_up_s=self.settings.heartbeat_give_up_s, architecture=engine.model.config.architecture,
+            weight_format=engine.model.weight_format)
         self.tasks.start("engine-loop", loop.run())
         self.tasks.start("heartbeat", heartbeat.run())
         if self.settings.bandwidth_probe:

@@ -32,11 +32,18 @@ LIVE_WITHIN_MS = 3000
 async def live_workers(redis: redis_client.AnyRedis, model: str, shards: int,
                        live_within_ms: int = LIVE_WITHIN_MS) -> list[int]:
     """Live, non-draining workers per cell (one pipelined round trip)."""
+    return [len(cell) for cell in await live_heartbeats(redis, model, shards, live_within_ms)]
+
+
+async def live_heartbeats(redis: redis_client.AnyRedis, model: str, shards: int,
+                          live_within_ms: int = LIVE_WITHIN_MS) -> list[list[queue_pb2.WorkerHeartbeat]]:
+    """The heartbeats of live, non-draining workers per cell (one pipelined round trip)."""
     pipe = redis.pipeline(transaction=False)
     for shard in range(shards):
         pipe.hvals(keys.workers_hash(model, shard))
     stamp = now_ms()
-    return [sum(_live(raw, stamp, live_within_ms) for raw in values) for values in await pipe.execute()]
+    return [[beat for raw in values if (beat := _live(raw, stamp, live_within_ms)) is not None]
+            for values in await pipe.execute()]
 
 
 async def join(redis: redis_client.AnyRedis, model: str, shards: int) -> int:
@@ -77,9 +84,9 @@ class CellChooser:
         return cell_for_request(counts, request_uid)
 
 
-def _live(raw: bytes, stamp: int, live_within_ms: int) -> bool:
+def _live(raw: bytes, stamp: int, live_within_ms: int) -> queue_pb2.WorkerHeartbeat | None:
     try:
         beat = queue_pb2.WorkerHeartbeat.FromString(raw)
     except Exception:  # noqa: BLE001 - DecodeError and friends: an undecodable heartbeat is no worker
-        return False
-    return not beat.draining and stamp - beat.sent_unix_ms < live_within_ms
+        return None
+    return beat if not beat.draining and stamp - beat.sent_unix_ms < live_within_ms else None

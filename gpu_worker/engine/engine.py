@@ -17,7 +17,7 @@ from gpu_worker.engine.constraint import ConstraintError, Constraints
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, Failure, SamplingParams, Sequence
-from gpu_worker.model.kv_cache import KVCache
+from gpu_worker.model.kv_cache import KVCache, kv_layout
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.roofline import RooflineMeter, RooflineStats, probe_bandwidth
 from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
@@ -75,7 +75,8 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(model, kv_cache)
         self.context_length: int = model.config.context_length
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          kv_cache.layout.windows)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.priority_preemption, config.aging_steps,
                                                    config.fair_tokens),
@@ -92,7 +93,7 @@ class LLMEngine:
         """Allocate the KV cache for `model` and build the engine."""
         param = next(model.parameters())
         cache = KVCache.allocate(model.config, config.num_blocks, config.block_size,
-                                 dtype or param.dtype, param.device)
+                                 dtype or param.dtype, param.device, kv_layout(model.config))
         return cls(model, cache, config, constraints)
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:

@@ -219,8 +219,7 @@ class Scheduler:
             if not self._make_room(seq, queue, out):
                 continue
             append = self.blocks.append_slot(seq)
-            if append.copy_on_write:
-                out.copy_on_write.append(append.copy_on_write)
+            out.copy_on_write.extend(append.copy_on_write)
             num = min(seq.num_uncomputed, budget)
             out.scheduled.append(ScheduledSeq(seq, num))
             budget -= num

@@ -28,6 +28,7 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.model.rope import cos_sin_table
+from gpu_worker.model.weight_format import dense_format
 from gpu_worker.ops import get_backend
 from gpu_worker.ops.backend import Backend, LinearWeight
 from gpu_worker.ops.weights.gguf_weight import FileTensor
@@ -133,6 +134,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.config = config
+        # what the GEMMs run on (model/weight_format.py); load_model names it once the backend prepared them
+        self.weight_format = dense_format(dtype)
         kw = dict(device=device, dtype=dtype)
         self.embed = _param(c.vocab_size, c.hidden_size, **kw)  # [V, H]
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, device, dtype) for i in range(c.num_layers))
@@ -190,10 +193,10 @@ class LlamaModel(nn.Module):
                    kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, H] embeddings -> (last layer's output [T, H], its residual [T, H])."""
         residual: torch.Tensor | None = None
+        groups = [meta.for_group(g) for g in range(len(kv_cache.layout.windows))]
         for i, layer in enumerate(self.layers):
-            h, residual = layer(
-                ops, positions, h, residual, meta, kv_cache.k_caches[i], kv_cache.v_caches[i], self._rope(i)
-            )
+            h, residual = layer(ops, positions, h, residual, groups[kv_cache.layout.layer_group[i]],
+                                kv_cache.k_caches[i], kv_cache.v_caches[i], self._rope(i))
         assert residual is not None, "a model has at least one layer"
         return h, residual
 

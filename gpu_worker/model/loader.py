@@ -12,6 +12,7 @@ from gguf import GGUFReader
 from gpu_worker.model import architectures, gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
+from gpu_worker.model.weight_format import served_format
 from gpu_worker.ops import get_backend
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.weights import gguf_weight, packed_linear, quantized_linear
@@ -91,9 +92,10 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
         quantization = quantized_linear.default_format(model.device, widths)
     backend = get_backend(device)
     prepared = prepack and backend.prepare_weights(model, quantization)
+    model.weight_format = served_format(path, quantization, prepared, dtype)
     logger.info(
         "model loaded", path=str(path), device=str(device), dtype=str(dtype).removeprefix("torch."),
-        backend=backend.name, weights_prepared=prepared, quantization=quantization if prepared else "none",
+        backend=backend.name, weights_prepared=prepared, weight_format=model.weight_format,
         layers=config.num_layers, hidden=config.hidden_size, seconds=round(time.monotonic() - start, 2),
     )
     return model

@@ -9,13 +9,27 @@ A step's tokens are laid out prefills first, then decodes:
 A prefill chunk holds the *last* `q_len` tokens of its sequence's context so far
 (chunked prefill, or a prompt whose prefix came from the prefix cache); the KV of
 the earlier tokens is already in the paged cache.
+
+The slot mapping and block tables are those of KV group 0 (gpu_worker/model/kv_cache.py KVLayout);
+a model with several groups carries the others' in `groups`, and each layer reads
+`meta.for_group(its group)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class GroupTables:
+    """The slot mapping and block tables of one KV group beyond the first (shapes as AttentionMetadata's)."""
+
+    slot_mapping: torch.Tensor          # [T] int64
+    prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
+    decode_block_tables: torch.Tensor   # [num_decodes, max_blocks] int32
 
 
 @dataclass
@@ -36,7 +50,17 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor
     # [num_seqs] int64: token position whose logits are sampled, one per sequence in batch order
     logits_indices: torch.Tensor
+    # KV groups 1, 2, ...: their own slots and tables (empty: the model has one group)
+    groups: tuple[GroupTables, ...] = field(default_factory=tuple)
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_context_lens.shape[0])
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group `group` reads: that group's slots and block tables."""
+        if group == 0:
+            return self
+        g = self.groups[group - 1]
+        return dataclasses.replace(self, slot_mapping=g.slot_mapping, prefill_block_tables=g.prefill_block_tables,
+                                   decode_block_tables=g.decode_block_tables, groups=())

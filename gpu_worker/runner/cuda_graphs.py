@@ -27,9 +27,12 @@ from gpu_worker.ops.cuda import kernels
 def eager_only_reason(kv_cache) -> str | None:
     """Why decode steps over this cache cannot be captured (None when they can): for a head_dim,
     block size or dtype the decode kernel lacks, attention runs the torch reference, which reads
-    context lengths on the host, and a host sync inside capture fails."""
+    context lengths on the host, and a host sync inside capture fails; a cache of several KV groups
+    needs block tables per group."""
     _, block_size, _, head_dim = kv_cache.k_caches[0].shape
     dtype = kv_cache.k_caches[0].dtype
+    if len(kv_cache.layout.windows) > 1:  # the static inputs hold one group's block tables
+        return f"{len(kv_cache.layout.windows)} KV groups (sliding-window and full layers)"
     if kernels.decode_kernel_supports(head_dim, block_size, dtype):
         return None
     return f"no decode kernel for head_dim {head_dim}, block_size {block_size}, {dtype}"

@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.scheduler import ScheduledSeq
-from gpu_worker.model.metadata import AttentionMetadata
+from gpu_worker.model.metadata import AttentionMetadata, GroupTables
 
 
 @dataclass
@@ -39,24 +39,37 @@ def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
 
 
+def _group_tables(batch: list[ScheduledSeq], prefills: list[ScheduledSeq], decodes: list[ScheduledSeq],
+                  blocks: BlockManager, group: int, device: torch.device) -> GroupTables:
+    """The slot of every token of the step and the block tables, in KV group `group`."""
+    bs = blocks.block_size
+    slots: list[int] = []
+    for item in batch:
+        start = item.seq.num_computed_tokens
+        table = blocks.block_table(item.seq, group)
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + item.num_tokens)]
+    return GroupTables(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        prefill_block_tables=_padded([blocks.block_table(s.seq, group) for s in prefills], device),
+        decode_block_tables=_padded([blocks.block_table(s.seq, group) for s in decodes], device),
+    )
+
+
 def build_model_input(scheduled: list[ScheduledSeq], blocks: BlockManager,
                       device: torch.device) -> ModelInput:
     """Everything the model's forward needs for this step's batch."""
     batch = order_batch(scheduled)
-    bs = blocks.block_size
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     logits_indices: list[int] = []
     for item in batch:
         start, end = item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_tokens
-        table = blocks.block_table(item.seq)
         ids += item.seq.token_ids[start:end]
         positions += range(start, end)
-        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
         logits_indices.append(len(ids) - 1)
     prefills = [s for s in batch if s.num_tokens > 1]
     decodes = batch[len(prefills):]
+    groups = [_group_tables(batch, prefills, decodes, blocks, g, device) for g in range(len(blocks.windows))]
     query_start = [0]
     for item in prefills:
         query_start.append(query_start[-1] + item.num_tokens)
@@ -66,15 +79,16 @@ def build_model_input(scheduled: list[ScheduledSeq], blocks: BlockManager,
         return torch.tensor(lens, dtype=torch.int32, device=device)
 
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=groups[0].slot_mapping,
         num_prefills=len(prefills),
         num_prefill_tokens=query_start[-1],
         prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
         prefill_context_lens=ctx_lens(prefills),
-        prefill_block_tables=_padded([blocks.block_table(s.seq) for s in prefills], device),
+        prefill_block_tables=groups[0].prefill_block_tables,
         decode_context_lens=ctx_lens(decodes),
-        decode_block_tables=_padded([blocks.block_table(s.seq) for s in decodes], device),
+        decode_block_tables=groups[0].decode_block_tables,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        groups=tuple(groups[1:]),
     )
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

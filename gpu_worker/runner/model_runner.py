@@ -78,5 +78,5 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each (src, dst) block in every layer's K and V cache (copy-on-write of a shared block)."""
         for src, dst in pairs:
-            for cache in (*self.kv_cache.k_caches, *self.kv_cache.v_caches):
+            for cache in self.kv_cache.tensors():
                 cache[dst].copy_(cache[src])

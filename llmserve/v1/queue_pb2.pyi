@@ -143,7 +143,7 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., error: _Optional[_Union[EventError, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admitted_unix_ms: _Optional[int] = ..., worker_id: _Optional[str] = ..., final: _Optional[bool] = ..., dispatch_epoch: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., choice_index: _Optional[int] = ...) -> None: ...
 
 class WorkerHeartbeat(_message.Message):
-    __slots__ = ("worker_id", "model", "free_blocks", "total_blocks", "block_size", "running", "waiting", "max_running", "draining", "sent_unix_ms", "cached_prefix_hashes", "admin_address", "preemptible_seqs", "preemptible_blocks")
+    __slots__ = ("worker_id", "model", "free_blocks", "total_blocks", "block_size", "running", "waiting", "max_running", "draining", "sent_unix_ms", "cached_prefix_hashes", "admin_address", "architecture", "weight_format", "preemptible_seqs", "preemptible_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,8 @@ class WorkerHeartbeat(_message.Message):
     SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
     ADMIN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIBLE_SEQS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIBLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
@@ -170,6 +172,8 @@ class WorkerHeartbeat(_message.Message):
     sent_unix_ms: int
     cached_prefix_hashes: _containers.RepeatedScalarFieldContainer[int]
     admin_address: str
+    architecture: str
+    weight_format: str
     preemptible_seqs: int
     preemptible_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., sent_unix_ms: _Optional[int] = ..., cached_prefix_hashes: _Optional[_Iterable[int]] = ..., admin_address: _Optional[str] = ..., preemptible_seqs: _Optional[int] = ..., preemptible_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., max_running: _Optional[int] = ..., draining: _Optional[bool] = ..., sent_unix_ms: _Optional[int] = ..., cached_prefix_hashes: _Optional[_Iterable[int]] = ..., admin_address: _Optional[str] = ..., architecture: _Optional[str] = ..., weight_format: _Optional[str] = ..., preemptible_seqs: _Optional[int] = ..., preemptible_blocks: _Optional[int] = ...) -> None: ...

@@ -1,7 +1,8 @@
 """A non-Llama architecture through the whole stack: a tiny random Gemma 3 GGUF (5 of 6 layers windowed,
 q/k norms, GeGLU) with its SentencePiece tokenizer and chat template in the file, served by
 `llmserve`'s own processes: chat completions end on <end_of_turn> or the length limit, a choice-
-constrained answer is one of the choices, and ListModels reports the file's context length."""
+constrained answer is one of the choices, and ListModels reports the file's context length, its
+architecture and the weight format served."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from test_gateway_e2e import wait_until
 
 from llmserve.client import Client
 from llmserve.stack import Stack, StackConfig
@@ -55,9 +57,15 @@ def test_chat_completions_and_a_constrained_choice(client):
     assert reply.text in choices and reply.finish_reason == "stop"
 
 
-def test_list_models_reports_the_context_length(gemma3_stack):
-    with grpc.insecure_channel(gemma3_stack.gateway_target) as channel:
+def concrete_models(stack) -> list[pb.ModelInfo]:
+    with grpc.insecure_channel(stack.gateway_target) as channel:
         reply = inference_pb2_grpc.InferenceStub(channel).ListModels(
             pb.ListModelsRequest(), metadata=(("authorization", "Bearer dev-key"),), timeout=30)
-    concrete = [m for m in reply.models if m.kind == pb.MODEL_KIND_CONCRETE]
-    assert [m.context_length for m in concrete] == [BASE["max_position_embeddings"]]
+    return [m for m in reply.models if m.kind == pb.MODEL_KIND_CONCRETE]
+
+
+def test_list_models_reports_the_context_length_architecture_and_weight_format(gemma3_stack):
+    # the float file's GEMMs run as int4 (--quantization auto); the facts come with the worker's heartbeats
+    assert wait_until(lambda: all(m.architecture for m in concrete_models(gemma3_stack)), timeout_s=30)
+    assert [(m.context_length, m.architecture, m.weight_format) for m in concrete_models(gemma3_stack)] == \
+        [(BASE["max_position_embeddings"], "gemma3", "int4")]

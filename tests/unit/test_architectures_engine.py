@@ -11,6 +11,7 @@ from tiny_models import VOCAB, make_hf_dir
 
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
+from gpu_worker.model.kv_cache import KVCache, KVLayout, kv_layout
 from gpu_worker.model.loader import load_model
 from gpu_worker.runner.cpu_step_layers import StepLayers
 
@@ -18,6 +19,9 @@ pytest.importorskip("transformers")
 
 ARCHS = ["mistral", "qwen3", "gemma2", "gemma3", "phi3"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
+# a cache that preempts yet fits the longest prompt: gemma3's blocks are pages of 1 of its 6 layers
+TIGHT_BLOCKS = {"gemma3": 30}
+WINDOW, BLOCK = 4, 4  # tiny_models' sliding_window; make_engine's block size
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +84,39 @@ def test_preemption_and_handoff_resume_with_the_same_output(model):
     ps = prompts(5, seed=3)
     sampled = [SamplingParams(temperature=0.8, seed=100 + i, max_new_tokens=14) for i in range(5)]
     roomy = make_engine(model).generate(ps, sampled)
-    tight = make_engine(model, num_blocks=12)
+    tight_blocks = TIGHT_BLOCKS.get(model.config.architecture, 12)
+    tight = make_engine(model, num_blocks=tight_blocks)
     assert tight.generate(ps, sampled) == roomy
-    assert tight.scheduler.num_preemptions > 0 and tight.block_manager.num_free_blocks == 12
+    assert tight.block_manager.num_free_blocks == tight_blocks
+    # with every layer windowed (mistral) a sequence holds <= 2 blocks and the tight cache never runs short
+    if None in kv_layout(model.config).windows:
+        assert tight.scheduler.num_preemptions > 0
     seq = run(make_engine(model), Sequence(ps[0], sampled[0], prior_output_ids=roomy[0][:6]))  # another worker's 6
     assert roomy[0][:6] + seq.output_token_ids == roomy[0]
+
+
+def test_sliding_layers_hold_no_more_blocks_than_their_window(model):
+    """Generating far past the window, each windowed group of a sequence holds at most
+    ceil(window / block) + 1 blocks after every step, and the tokens equal those of a cache that
+    keeps every block of every layer (one group, nothing given back)."""
+    layout = kv_layout(model.config)
+    windowed = [g for g, w in enumerate(layout.windows) if w is not None]
+    if not windowed:
+        pytest.skip("no sliding-window layers")
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    prompt = prompts(1, seed=7)[0] * 2  # 10 tokens, past the window already
+    config = EngineConfig(num_blocks=64, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=512)
+    keep_all = LLMEngine(model, KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu",
+                                                 KVLayout.single(model.config.num_layers)), config)
+    engine = make_engine(model)
+    seq = Sequence(prompt, params)
+    engine.add(seq)
+    held = []
+    while engine.has_work():
+        engine.step()
+        if engine.block_manager.has_blocks(seq):
+            held.append(max(engine.block_manager.num_held_blocks(seq, g) for g in windowed))
+    assert len(held) == params.max_new_tokens - 1  # the last step frees the sequence
+    assert max(held) <= -(-WINDOW // BLOCK) + 1
+    assert engine.block_manager.num_free_blocks == 64
+    assert seq.output_token_ids == keep_all.generate([prompt], [params])[0]

@@ -137,7 +137,7 @@ def test_fork_shares_and_copy_on_write_on_partial_block():
     assert m.blocks[1].ref_count == 2
     child.append_token(77)
     result = m.append_slot(child)
-    assert result.copy_on_write == (1, 2)
+    assert result.copy_on_write == [(1, 2)]
     assert m.block_table(child) == [0, 2]
     assert m.block_table(parent) == [0, 1]
     assert [m.blocks[i].ref_count for i in (0, 1, 2)] == [2, 1, 1]
@@ -198,7 +198,7 @@ def test_duplicate_computation_keeps_first_block_registered():
     computed(m, b)
     m.free(b)
     assert m.num_free_blocks == 6
-    assert m.blocks[2].block_hash is None  # b's copy is plain free, a's block 0 is the cached one
+    assert m.blocks[2].key is None  # b's copy is plain free, a's block 0 is the cached one
     assert m.allocate(make_seq([0, 1, 2, 3, 9])).block_ids == [0, 4]
 
 
@@ -242,3 +242,50 @@ def test_blocks_cached_after_admission_continue_the_salted_chain():
     again = m.allocate(make_seq(range(9), salt="tenant:t"))
     assert again.num_cached_tokens == 8
     assert m.allocate(make_seq(range(9))).num_cached_tokens == 0
+
+
+# -- KV groups: a sliding-window group gives back the blocks behind its window ---------------------------
+def make_windowed(num_blocks: int = 16, caching: bool = True) -> BlockManager:
+    return BlockManager(num_blocks, BS, enable_prefix_caching=caching, windows=(None, 6))
+
+
+def test_every_group_gets_its_own_blocks_from_one_pool():
+    m = make_windowed()
+    seq = make_seq(range(6))
+    assert m.allocate(seq).block_ids == [0, 1]
+    assert (m.block_table(seq, 1), m.num_free_blocks, m.blocks_needed(6)) == ([2, 3], 12, 4)
+
+
+def test_a_window_group_releases_blocks_the_next_token_cannot_see():
+    m = make_windowed()
+    seq = make_seq(range(14))              # full [0 1 2 3], window [4 5 6 7]
+    m.allocate(seq)
+    computed(m, seq)                       # token 14 sees 9 .. 14: window blocks 2, 3
+    assert [m.num_held_blocks(seq, g) for g in (0, 1)] == [4, 2]
+    assert m.block_table(seq, 1) == [0, 0, 6, 7]   # given back: read as block 0, masked by the window
+    assert m.num_free_blocks == 10 and m.num_exclusive_blocks(seq) == 6
+    m.free(seq)
+    assert m.num_free_blocks == 16
+
+
+def test_a_prefix_hit_needs_only_the_window_blocks_of_a_window_group():
+    m = make_windowed()
+    a = make_seq(range(20))
+    m.allocate(a)                          # full [0 1 2 3 4], window [5 6 7 8 9]
+    computed(m, a)                         # token 20 sees 15 .. 20: window gives back 5, 6, 7
+    m.reset_prefix_cache()                 # ... and they are forgotten
+    b = make_seq([*range(20), 99])         # 5 blocks shared; token 20 needs only window blocks 3, 4
+    alloc = m.allocate(b)
+    assert (alloc.num_cached_tokens, alloc.block_ids) == (20, [0, 1, 2, 3, 4, 10])
+    assert m.block_table(b, 1) == [0, 0, 0, 8, 9, 11]
+
+
+def test_fork_and_copy_on_write_cover_every_group():
+    m = make_windowed(caching=False)
+    parent = make_seq(range(6))
+    m.allocate(parent)                     # full [0 1], window [2 3]
+    computed(m, parent)
+    child = make_seq(range(6))
+    m.fork(parent, child)
+    child.append_token(9)
+    assert m.append_slot(child).copy_on_write == [(1, 4), (3, 5)]

@@ -150,9 +150,11 @@ def test_decode_graphs_stay_off_where_attention_falls_back_to_the_reference(head
     cache runs every step eagerly (and capture() touches no CUDA API)."""
     from types import SimpleNamespace
 
+    from gpu_worker.model.kv_cache import KVLayout
     from gpu_worker.runner.cuda_graphs import DecodeGraphRunner
 
-    cache = SimpleNamespace(k_caches=[torch.zeros(4, block_size, 2, head_dim, dtype=torch.float16)])
+    cache = SimpleNamespace(k_caches=[torch.zeros(4, block_size, 2, head_dim, dtype=torch.float16)],
+                            layout=KVLayout.single(1))
     calls = []
     runner = DecodeGraphRunner(None, cache, batch_sizes=(1, 4), max_blocks=8,
                                forward=lambda ids, pos, meta: calls.append(ids.shape[0]) or ids)

@@ -19,7 +19,9 @@
  * quantize_rows. A pair's dot product is four 16-bit multiply-adds: int32 lanes 0-3 of the first
  * two belong to A's first 16 weights and lanes 4-7 to B's, of the last two to their second 16, so
  * each half is scaled lane-wise by its own sub-block scale (16-weight sub-blocks cost nothing
- * extra). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a pair.
+ * extra); a legacy type has one scale a block, so its halves add as integers first (one conversion
+ * and fma a pair). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a
+ * pair. Q5's fifth bit and Q6's top two join the nibbles as bytes, so the codes widen to 16 bits once.
  * Every partial integer sum is below 2^24 (codes <= 63, |x| <= 2^15 - 1, 4 products a lane).
  *
  * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
@@ -41,47 +43,90 @@ static void sub_block_sums(const QuantRows q, int M, int pairs, float *__restric
     }
 }
 
-static inline void nibble_plane(const uint8_t *p, __m256i v[4]) {
+/* the nibble plane as byte codes: lo holds c = 0, 1 in each lane's bytes 0-7, 8-15 (lane 0 A's weights
+ * 8c..8c+7, lane 1 B's), hi c = 2, 3 */
+static inline void nibble_bytes(const uint8_t *p, __m256i *lo, __m256i *hi) {
     const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(raw, low4), *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+}
+
+/* byte codes lo, hi -> the four vectors of 16 int16 codes */
+static inline void widen(__m256i lo, __m256i hi, __m256i v[4]) {
+    const __m256i zero = _mm256_setzero_si256();
     v[0] = _mm256_unpacklo_epi8(lo, zero), v[1] = _mm256_unpackhi_epi8(lo, zero);
     v[2] = _mm256_unpacklo_epi8(hi, zero), v[3] = _mm256_unpackhi_epi8(hi, zero);
 }
 
-/* v[c] (|)= the crumb plane's 2-bit fields << shift */
-static inline void crumb_plane(const uint8_t *p, __m256i v[4], int shift, int add) {
-    /* lane 0: A's 8 bytes, lane 1: B's */
+static inline void nibble_plane(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi;
+    nibble_bytes(p, &lo, &hi);
+    widen(lo, hi, v);
+}
+
+/* The bit plane as byte codes laid out as nibble_bytes' (1 << at where the bit is set, else 0): each lane
+ * broadcasts its block's 4 bytes, byte c spread over the 8 bytes of weights 8c..8c+7, one bit each. */
+static inline void bit_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
+    const __m128i ab = _mm_loadl_epi64((const __m128i *)p); /* A's 4 bytes, B's 4 */
+    const __m256i t = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(ab),
+                                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* [A x4 | B x4] */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i value = _mm256_set1_epi8((char)(1 << at));
+    const __m256i c01 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i c23 = _mm256_add_epi8(c01, _mm256_set1_epi8(2));
+    const __m256i b01 = _mm256_and_si256(_mm256_shuffle_epi8(t, c01), bit);
+    const __m256i b23 = _mm256_and_si256(_mm256_shuffle_epi8(t, c23), bit);
+    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(b01, bit), value);
+    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b23, bit), value);
+}
+
+/* 5-bit codes: the fifth bit joins the nibbles as bytes, before one widening (not a widening each) */
+static inline void nibble_bit_planes(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi, bit_lo, bit_hi;
+    nibble_bytes(p, &lo, &hi);
+    bit_bytes(p + 32, 4, &bit_lo, &bit_hi);
+    widen(_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi), v);
+}
+
+/* The crumb plane as byte codes laid out as nibble_bytes', each crumb at bit `at` (0 or 4): each lane
+ * holds its block's 8 bytes twice, a 64-bit lane's mask picks crumb c and its shift moves it to bit 0. */
+static inline void crumb_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
     const __m256i t = _mm256_permute4x64_epi64(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)), 0x50);
-    const __m256i three = _mm256_set1_epi8(3), zero = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        const __m256i u = _mm256_and_si256(_mm256_srli_epi16(t, 2 * c), three);
-        const __m256i w = _mm256_slli_epi16(_mm256_unpacklo_epi8(u, zero), shift);
-        v[c] = add ? _mm256_or_si256(v[c], w) : w;
-    }
+    const __m256i c01 = _mm256_setr_epi64x(0x0303030303030303LL, 0x0C0C0C0C0C0C0C0CLL,
+                                           0x0303030303030303LL, 0x0C0C0C0C0C0C0C0CLL);
+    const __m256i c23 = _mm256_slli_epi64(c01, 4); /* 0x30.., 0xC0.. */
+    *lo = _mm256_slli_epi64(_mm256_srlv_epi64(_mm256_and_si256(t, c01), _mm256_setr_epi64x(0, 2, 0, 2)), at);
+    *hi = _mm256_slli_epi64(_mm256_srlv_epi64(_mm256_and_si256(t, c23), _mm256_setr_epi64x(4, 6, 4, 6)), at);
 }
 
-/* v[c] |= the bit plane's bits << shift */
-static inline void bit_plane(const uint8_t *p, __m256i v[4], int shift) {
-    uint32_t a, b;
-    __builtin_memcpy(&a, p, 4);
-    __builtin_memcpy(&b, p + 4, 4);
-    const __m256i t = _mm256_setr_epi32((int)a, 0, 0, 0, (int)b, 0, 0, 0);
-    const __m256i bit = _mm256_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128,
-                                         1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-    const __m256i one = _mm256_set1_epi8(1), zero = _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        const __m256i bytes = _mm256_shuffle_epi8(t, _mm256_set1_epi8((char)c)); /* byte c of each lane */
-        const __m256i set = _mm256_min_epu8(_mm256_and_si256(bytes, bit), one);
-        v[c] = _mm256_or_si256(v[c], _mm256_slli_epi16(_mm256_unpacklo_epi8(set, zero), shift));
-    }
+static inline void crumb_planes(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi;
+    crumb_bytes(p, 0, &lo, &hi);
+    widen(lo, hi, v);
 }
 
-#define CODES_2(p, v) crumb_plane(p, v, 0, 0)
-#define CODES_3(p, v) (crumb_plane(p, v, 0, 0), bit_plane((p) + 16, v, 2))
+/* 3-bit codes: the bits join the crumbs as bytes (at bit 2), before one widening */
+static inline void crumb_bit_planes(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi, bit_lo, bit_hi;
+    crumb_bytes(p, 0, &lo, &hi);
+    bit_bytes(p + 16, 2, &bit_lo, &bit_hi);
+    widen(_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi), v);
+}
+
+/* 6-bit codes: the crumbs join the nibbles as bytes (at bit 4), before one widening */
+static inline void nibble_crumb_planes(const uint8_t *p, __m256i v[4]) {
+    __m256i lo, hi, crumb_lo, crumb_hi;
+    nibble_bytes(p, &lo, &hi);
+    crumb_bytes(p + 32, 4, &crumb_lo, &crumb_hi);
+    widen(_mm256_or_si256(lo, crumb_lo), _mm256_or_si256(hi, crumb_hi), v);
+}
+
+#define CODES_2(p, v) crumb_planes(p, v)
+#define CODES_3(p, v) crumb_bit_planes(p, v)
 #define CODES_4(p, v) nibble_plane(p, v)
-#define CODES_5(p, v) (nibble_plane(p, v), bit_plane((p) + 32, v, 4))
-#define CODES_6(p, v) (nibble_plane(p, v), crumb_plane((p) + 32, v, 4, 1))
+#define CODES_5(p, v) nibble_bit_planes(p, v)
+#define CODES_6(p, v) nibble_crumb_planes(p, v)
 
 /* A weight pair: its codes, the lane scales of its first and second 16 weights of each block
  * ([A x4 | B x4]) and its four sub-block offsets [A0, A1, B0, B1]. */
@@ -113,10 +158,11 @@ static inline __m128 f16x2(const uint16_t *p) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
 }
 
+/* one scale a block: w->lo only (block_accumulate reads no w->hi) */
 static inline void legacy_scales(SubPair *w, RowScales s, int p) {
     const __m128 d = f16x2(s.d16 + 2 * p); /* dA dB */
     const __m128 m = s.m16 ? f16x2(s.m16 + 2 * p) : _mm_mul_ps(d, _mm_set1_ps(-s.zero)); /* mA mB */
-    spread(w, _mm_unpacklo_ps(d, d));
+    w->lo = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
     w->off = _mm_unpacklo_ps(m, m);
 }
 
@@ -142,6 +188,17 @@ static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int16_t 
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(w->hi, xd), acc);
 }
 
+/* A legacy pair has one scale a block, so its two halves' integer sums add before the one conversion:
+ * 8 products a lane, below 2^24 for codes <= 31, so still exact in fp32. */
+static inline __m256 block_accumulate(__m256 acc, const SubPair *w, const int16_t *x, const float *lane_scale) {
+    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
+                                        _mm256_madd_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
+    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w->c[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
+                                        _mm256_madd_epi16(w->c[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
+    const __m256 xd = _mm256_loadu_ps(lane_scale);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(w->lo, xd), acc);
+}
+
 /* fixed-order sum of 4 lanes */
 static inline float hsum4(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -150,25 +207,25 @@ static inline float hsum4(__m128 s) {
 }
 
 /* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one weight row */
-#define DEFINE_SUB_TILE(NAME, CODES, SCALES, PAIR_BYTES)                                                     \
-    static inline __attribute__((always_inline)) void NAME(QuantRows q, const float *sums, long row, int rows, \
-                                                           int pairs, const uint8_t *__restrict__ codes,     \
-                                                           RowScales s, float *__restrict__ out, long N) {   \
-        __m256 acc[ROW_TILE];                                                                                \
-        __m128 off[ROW_TILE];                                                                                \
-        for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps(), off[r] = _mm_setzero_ps();         \
-        for (int p = 0; p < pairs; p++) {                                                                    \
-            _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);       \
-            SubPair w;                                                                                       \
-            CODES(codes + (long)p * PAIR_BYTES, w.c);                                                        \
-            SCALES(&w, s, p);                                                                                \
-            for (int r = 0; r < rows; r++) {                                                                 \
-                const long xp = (row + r) * pairs + p;                                                       \
-                acc[r] = sub_accumulate(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);             \
-                off[r] = _mm_fmadd_ps(w.off, _mm_loadu_ps(sums + xp * 4), off[r]);                           \
-            }                                                                                                \
-        }                                                                                                    \
-        for (int r = 0; r < rows; r++) out[r * N] = hsum(acc[r]) + hsum4(off[r]);                            \
+#define DEFINE_SUB_TILE(NAME, CODES, SCALES, ACCUMULATE, PAIR_BYTES)                                                 \
+    static inline __attribute__((always_inline)) void NAME(QuantRows q, const float *sums, long row, int rows,       \
+                                                           int pairs, const uint8_t *__restrict__ codes,             \
+                                                           RowScales s, float *__restrict__ out, long N) {           \
+        __m256 acc[ROW_TILE];                                                                                        \
+        __m128 off[ROW_TILE];                                                                                        \
+        for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps(), off[r] = _mm_setzero_ps();                  \
+        for (int p = 0; p < pairs; p++) {                                                                            \
+            _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);                \
+            SubPair w;                                                                                               \
+            CODES(codes + (long)p * PAIR_BYTES, w.c);                                                                \
+            SCALES(&w, s, p);                                                                                        \
+            for (int r = 0; r < rows; r++) {                                                                         \
+                const long xp = (row + r) * pairs + p;                                                               \
+                acc[r] = ACCUMULATE(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                         \
+                off[r] = _mm_fmadd_ps(w.off, _mm_loadu_ps(sums + xp * 4), off[r]);                                   \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < rows; r++) out[r * N] = hsum(acc[r]) + hsum4(off[r]);                                    \
     }
 
 /* The scales of weight row n: legacy per block, K types per super-block and per 16 weights. */
@@ -222,14 +279,14 @@ static inline RowScales row_scales(const void *d, const void *offset, const int8
         return 0;                                                                                            \
     }
 
-#define DEFINE_KIND(BITS, KIND, SCALES)                                  \
-    DEFINE_SUB_TILE(KIND##BITS##_tile, CODES_##BITS, SCALES, 8 * BITS) \
+#define DEFINE_KIND(BITS, KIND, SCALES, ACCUMULATE)                                  \
+    DEFINE_SUB_TILE(KIND##BITS##_tile, CODES_##BITS, SCALES, ACCUMULATE, 8 * BITS) \
     DEFINE_SUB_LINEAR(KIND##BITS##_linear_f32, KIND##BITS##_tile, 8 * BITS)
 
-DEFINE_KIND(4, legacy, legacy_scales)
-DEFINE_KIND(5, legacy, legacy_scales)
-DEFINE_KIND(2, k, k_scales)
-DEFINE_KIND(3, k, k_scales)
-DEFINE_KIND(4, k, k_scales)
-DEFINE_KIND(5, k, k_scales)
-DEFINE_KIND(6, k, k_scales)
+DEFINE_KIND(4, legacy, legacy_scales, block_accumulate)
+DEFINE_KIND(5, legacy, legacy_scales, block_accumulate)
+DEFINE_KIND(2, k, k_scales, sub_accumulate)
+DEFINE_KIND(3, k, k_scales, sub_accumulate)
+DEFINE_KIND(4, k, k_scales, sub_accumulate)
+DEFINE_KIND(5, k, k_scales, sub_accumulate)
+DEFINE_KIND(6, k, k_scales, sub_accumulate)
