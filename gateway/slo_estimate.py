@@ -11,13 +11,18 @@ Two measured rates, each an exponentially weighted mean over recent requests of 
     predicted TTFT = waited so far + (1 + ahead now) * queue rate + a + b * prompt tokens
 
 Queue depth is global (every gateway reads the same streams), so the queue rate needs no
-agreement between replicas; nothing measured yet predicts nothing (no refusal).
+agreement between replicas. Nothing measured predicts nothing (no refusal), and neither does a
+measure older than HORIZON_S: when every request is being refused, none is measured, so the
+next one after the horizon is admitted and measured afresh instead of the estimate of a past
+overload refusing forever.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+HORIZON_S = 10.0       # a model's estimate older than this predicts nothing
 _DECAY = 0.9           # weight of the past in each mean: about the last ten requests count
 _MIN_SPREAD = 16.0     # tokens: below this standard deviation of prompt lengths, no slope is fitted
 
@@ -59,6 +64,7 @@ class _Fit:
 class _Model:
     queue: dict[int, _Mean]
     prefill: _Fit
+    measured_at: float = 0.0   # monotonic time of the last measure
 
 
 class ServiceEstimate:
@@ -71,17 +77,22 @@ class ServiceEstimate:
         return self._models.setdefault(model, _Model({}, _Fit()))
 
     def started(self, model: str, priority: int, ahead: int, queue_ms: float, prefill_ms: float,
-                prompt_tokens: int) -> None:
+                prompt_tokens: int, now: float | None = None) -> None:
         """A request's first token arrived: it waited `queue_ms` behind `ahead` others, then its
         `prompt_tokens` (not served from the prefix cache) took `prefill_ms` to a first token."""
         entry = self._of(model)
         entry.queue.setdefault(priority, _Mean()).add(max(0.0, queue_ms) / (1 + max(0, ahead)))
         entry.prefill.add(float(prompt_tokens), max(0.0, prefill_ms))
+        entry.measured_at = time.monotonic() if now is None else now
 
-    def ttft_ms(self, model: str, priority: int, waited_ms: float, ahead: int, prompt_tokens: int) -> float | None:
+    def ttft_ms(self, model: str, priority: int, waited_ms: float, ahead: int, prompt_tokens: int,
+                now: float | None = None) -> float | None:
         """Predicted TTFT of a request that arrived `waited_ms` ago, with `ahead` requests queued
-        before it; None until a request of this model and priority was measured."""
+        before it; None until a request of this model and priority was measured, and once the
+        model's last measure is older than HORIZON_S."""
         entry = self._models.get(model)
+        if entry is not None and (time.monotonic() if now is None else now) - entry.measured_at > HORIZON_S:
+            return None
         rate = entry.queue.get(priority) if entry else None
         prefill = entry.prefill.predict(prompt_tokens) if entry else None
         if rate is None or rate.value is None or prefill is None:
