@@ -21,9 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(_run(settings))
 
 
-def build(settings: GatewaySettings) -> InferenceService:
+def build(settings: GatewaySettings, stop: asyncio.Event | None = None) -> InferenceService:
     """One `Gateway`, and the fronts over it: gRPC, and the OpenAI HTTP endpoint when it is on."""
-    gateway = Gateway(settings)
+    gateway = Gateway(settings, stop)
     http = None
     if settings.http_port:
         app = OpenAIHttp(gateway, settings.max_http_body_bytes, settings.http_request_timeout_s).app
@@ -34,7 +34,9 @@ def build(settings: GatewaySettings) -> InferenceService:
 
 async def _run(settings: GatewaySettings) -> int:
     # Built inside the loop: grpc.aio channels bind to the loop that exists when they are made.
-    return await serve(build(settings), settings, "gateway", max_message_bytes=settings.max_message_bytes)
+    stop = asyncio.Event()
+    return await serve(build(settings, stop), settings, "gateway", max_message_bytes=settings.max_message_bytes,
+                       stop=stop)
 
 
 if __name__ == "__main__":

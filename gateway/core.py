@@ -17,8 +17,6 @@ import asyncio
 import signal
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
-
 from gateway.calls import ratelimit_headers, rejection
 from gateway.config import GatewaySettings
 from gateway.flow import Flow, limits_of
@@ -31,21 +29,24 @@ from gateway.tokenizer_client import TokenizerClient
 from gateway.validation import check_input
 from llmserve import redis_client
 from llmserve.errors import InvalidArgument, Unavailable
-from llmserve.redis_client import ClusterClient
+from llmserve.tasks import TaskSupervisor
 from llmserve.v1 import inference_pb2 as pb
 
 
 class Gateway:
     """Auth, quotas, validation, admission and streaming, whichever front the call came through."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, stop: asyncio.Event | None = None) -> None:
         self.settings = settings
+        self.stop_event = stop
+        self.failure: BaseException | None = None
+        self.tasks = TaskSupervisor(on_failure=self._fail)
         self.tenants = TenantRegistry(settings.tenants).load()
         self.models = settings.models_config()
         self.tokenizers = TokenizerClient(self.models.ids, settings.tokenizer_target, settings.tokenizer_timeout_s)
         self.formats = FormatCompiler(settings.grammar_compile_timeout_s, settings.grammar_threads)
-        self.redis: aioredis.Redis | ClusterClient | None = None      # from start() on; with it the parts below
-        self.blocking: aioredis.Redis | ClusterClient | None = None
+        self.redis: redis_client.AnyRedis | None = None      # from start() on; with it the parts below
+        self.blocking: redis_client.AnyRedis | None = None
         self.router: Router
         self.quota: Quota
         self.flow: Flow
@@ -59,7 +60,14 @@ class Gateway:
         await self._connect()
         await self.tokenizers.load(self.settings.tokenizer_wait_s)
         await self.router.start()
+        self.tasks.start("routes-refresh", self.router.run())
         self.started = self.serving = True
+
+    def _fail(self, exc: BaseException) -> None:
+        """A task died (logged by the supervisor): serve() goes NOT_SERVING and exits 1."""
+        self.failure = exc
+        if self.stop_event is not None:
+            self.stop_event.set()
 
     async def _connect(self) -> None:
         """The Redis clients (once Redis answers) and everything that talks through them."""
@@ -93,7 +101,7 @@ class Gateway:
     async def close(self) -> None:
         if self.redis is not None and self.blocking is not None:
             await self.flow.drain()
-            await self.router.close()
+            await self.tasks.cancel_all()
             await self.redis.aclose()
             await self.blocking.aclose()
         await self.tokenizers.close()

@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
-import redis.asyncio as aioredis
 import structlog
 
 from gateway import choices, metrics, slo
@@ -71,7 +71,7 @@ def limits_of(tenant: Tenant) -> Limits:
 class Flow:
     """Runs requests; owns no per-request state (that lives in `Call` and locals)."""
 
-    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, blocking: aioredis.Redis,
+    def __init__(self, settings: GatewaySettings, redis: redis_client.AnyRedis, blocking: redis_client.AnyRedis,
                  tokenizers: TokenizerClient, quota: Quota, router: Router, formats: FormatCompiler) -> None:
         self.settings = settings
         self.formats = formats
@@ -111,7 +111,7 @@ class Flow:
                 yield chunk
 
     async def _meta(self, call: Call) -> Meta | None:
-        raw = await self.redis.hgetall(keys.request_meta(call.tenant.id, call.request_id))
+        raw = cast(dict[bytes, bytes], await self.redis.hgetall(keys.request_meta(call.tenant.id, call.request_id)))
         if not raw or raw.get(b"owner", b"").decode() != call.tenant.id or b"enqueued_ms" not in raw:
             return None
         return Meta.from_redis(raw)
@@ -217,7 +217,8 @@ class Flow:
         meta.enqueued_ms = now_ms()
         return queue_pb2.WorkItem(
             request_id=call.request_id, tenant=call.tenant.id, model=meta.model, prompt_token_ids=prompt_ids,
-            sampling=sampling, priority=priority, deadline_unix_ms=deadline_ms, arrival_unix_ms=meta.arrival_ms,
+            sampling=sampling, priority=cast(pb.Priority, priority), deadline_unix_ms=deadline_ms,
+            arrival_unix_ms=meta.arrival_ms,
             enqueued_unix_ms=meta.enqueued_ms, events_key=keys.events_stream(call.tenant.id, call.request_id),
             cancel_key=keys.cancel_key(call.tenant.id, call.request_id), cache_salt=call.tenant.cache_salt,
             tenant_weight=call.tenant.weight, trace_context=tracing.inject(), n=meta.n,
@@ -302,10 +303,10 @@ class Flow:
         last_id = "0-0"
         while True:
             block = watch.block_ms()
-            reply = await self.blocking.xread({key: last_id}, count=256, block=block)
+            reply = cast(redis_client.StreamReply, await self.blocking.xread({key: last_id}, count=256, block=block))
             for _, entries in reply or ():
                 for entry_id, fields in entries:
-                    last_id = entry_id
+                    last_id = redis_client.text(entry_id)
                     event = queue.decode_event(fields)
                     watch.saw_event(event)
                     yield event
@@ -356,7 +357,7 @@ class Flow:
 
     async def cancel_owned(self, tenant: str, request_id: str) -> None:
         """The Cancel RPC: only a request of this tenant; anything else is NOT_FOUND."""
-        owner = await self.redis.hget(keys.request_meta(tenant, request_id), "owner")
+        owner = cast(bytes | None, await self.redis.hget(keys.request_meta(tenant, request_id), "owner"))
         if owner is None or owner.decode() != tenant:
             raise NotFound(f"no request {request_id!r}")
         await self.redis.set(keys.cancel_key(tenant, request_id), "1", ex=self.settings.events_ttl_s)

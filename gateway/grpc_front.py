@@ -57,6 +57,11 @@ class InferenceService:
         self.gateway = gateway
         self.http = http
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The gateway's background work died (serve() exits 1 for the supervisor to restart it)."""
+        return self.gateway.failure
+
     # -- lifecycle -----------------------------------------------------------------------------------------
     def add_to_server(self, server: grpc.aio.Server) -> None:
         def unary(fn, req_cls, resp_cls):

@@ -20,16 +20,17 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from llmserve import queue_cells, routes
+from llmserve import queue_cells, redis_client, routes
 from llmserve.errors import NotFound
 from llmserve.models_file import ModelsConfig
 from llmserve.seeded_pick import weighted_pick
 
 logger = structlog.get_logger(__name__)
+# A Redis that answers badly or not at all: routing goes on with what it last read.
+_REFRESH_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError, *redis_client.UNAVAILABLE_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Router:
         queue_shards: queue cells per model (llmserve/keys.py): a model's workers are in any of them.
     """
 
-    def __init__(self, config: ModelsConfig, redis: aioredis.Redis, refresh_s: float, heartbeat_ttl_ms: int,
+    def __init__(self, config: ModelsConfig, redis: redis_client.AnyRedis, refresh_s: float, heartbeat_ttl_ms: int,
                  queue_shards: int = 1) -> None:
         self.config = config
         self.redis = redis
@@ -73,17 +74,11 @@ class Router:
         self.weights: dict[str, dict[str, int]] = {a: dict(w) for a, w in config.aliases.items()}
         self.live: dict[str, int] = {m: 0 for m in config.ids}
         self.facts: dict[str, ModelFacts] = {}
-        self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        """Seed the catalog and read weights and workers once; then `run()` keeps them fresh."""
         await routes.seed_async(self.redis, self.config)
         await self.refresh()
-        self._task = asyncio.create_task(self._refresh_loop(), name="routes-refresh")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     # -- refresh -------------------------------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -103,12 +98,13 @@ class Router:
         if beat is not None:
             self.facts[model] = ModelFacts(beat.architecture, beat.weight_format)
 
-    async def _refresh_loop(self) -> None:
+    async def run(self) -> None:
+        """Re-read every `refresh_s` until cancelled (a supervised task of the gateway)."""
         while True:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
-            except (RedisError, OSError) as exc:  # keep routing on the last weights seen
+            except _REFRESH_ERRORS as exc:  # keep routing on the last weights seen
                 logger.warning("route refresh failed", error=repr(exc))
 
     # -- route ---------------------------------------------------------------------------------------------

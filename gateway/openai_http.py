@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 
 import grpc
 import structlog
@@ -239,7 +240,7 @@ class _Shape:
     def whole(self, reply: pb.CompleteResponse) -> dict:
         out = []
         for c in reply.choices:
-            choice = {"index": c.choice_index, "finish_reason": FINISH.get(c.finish_reason, "stop"),
+            choice: dict[str, Any] = {"index": c.choice_index, "finish_reason": FINISH.get(c.finish_reason, "stop"),
                       "logprobs": self._logprobs(c.choice_index, c.logprobs)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": c.text}
@@ -253,7 +254,7 @@ class _Shape:
     def role_chunk(self, index: int = 0) -> dict:
         obj = "chat.completion.chunk" if self.chat else self.kind
         delta = {"role": "assistant", "content": ""} if self.chat else None
-        choice = {"index": index, "finish_reason": None, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "finish_reason": None, "logprobs": None}
         choice.update({"delta": delta} if self.chat else {"text": ""})
         return {**self._base(obj), "choices": [choice]}
 
@@ -261,7 +262,7 @@ class _Shape:
         obj = "chat.completion.chunk" if self.chat else self.kind
         reason = FINISH.get(chunk.finish_reason) if chunk.finish_reason else None
         index = chunk.choice_index
-        choice = {"index": index, "finish_reason": reason,
+        choice: dict[str, Any] = {"index": index, "finish_reason": reason,
                   "logprobs": self._logprobs(index, chunk.logprobs) if chunk.logprobs else None}
         delta: dict = {"content": chunk.text} if chunk.text or not tool_deltas else {}
         if tool_deltas:

@@ -97,7 +97,7 @@ class OutputBuilder:
         """The last chunk of a stream cancelled without a final event from the worker."""
         return self._final(self.next_index, [], "", pb.FINISH_REASON_CANCELLED)
 
-    def _final(self, start: int, ids: list[int], text: str, reason: int,
+    def _final(self, start: int, ids: list[int], text: str, reason: pb.FinishReason,
                lps: Sequence[pb.TokenLogprob] = ()) -> pb.GenerateResponse:
         self.done = True
         self.finish_reason = reason

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
-from llmserve import keys
+from llmserve import keys, redis_client
 
 _NOW = """
 local t = redis.call('TIME')
@@ -211,7 +209,7 @@ def tenant_keys(tenant: str) -> dict[str, str]:
 class Quota:
     """Admission (`admit`), lease upkeep (`renew`) and refunds (`release`) against Redis."""
 
-    def __init__(self, redis: aioredis.Redis, lease_ttl_s: float = 30.0, concurrency_retry_ms: int = 200) -> None:
+    def __init__(self, redis: redis_client.AnyRedis, lease_ttl_s: float = 30.0, concurrency_retry_ms: int = 200) -> None:
         self.redis = redis
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.concurrency_retry_ms = concurrency_retry_ms
@@ -226,7 +224,7 @@ class Quota:
     async def admit(self, limits: Limits, request_id: str, cost_tokens: int) -> Decision:
         """Charge one request and `cost_tokens` tokens and take a lease, or refuse with the limit hit."""
         k = tenant_keys(limits.tenant)
-        args = [repr(limits.interval_ms), limits.burst, limits.tokens_per_minute, limits.max_concurrent,
+        args: list[str | int] = [repr(limits.interval_ms), limits.burst, limits.tokens_per_minute, limits.max_concurrent,
                 int(cost_tokens), request_id, self.lease_ttl_ms, self.concurrency_retry_ms]
         ok, limit, retry, rem_req, rem_tok = await self._admit(
             keys=[k["rate"], k["tokens"], k["leases"], k["reserved"], k["ledger"]], args=args)

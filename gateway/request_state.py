@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from gateway.slo import Admitted, Asked
 from gateway.tenants import Tenant
@@ -56,7 +57,7 @@ class Meta:
     error: str = ""        # set when the request failed for good before any token (max queue wait)
     n: int = 1             # choices (gateway/choices.py)
 
-    def to_redis(self) -> dict[str, str]:
+    def to_redis(self) -> dict[Any, Any]:   # typed for redis-py's hset mapping
         return {"owner": self.owner, "model": self.model, "prompt_tokens": str(self.prompt_tokens),
                 "cost": str(self.cost), "stops": json.dumps(self.stops), "arrival_ms": str(self.arrival_ms),
                 "enqueued_ms": str(self.enqueued_ms), "work_key": self.work_key, "entry_id": self.entry_id,

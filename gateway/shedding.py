@@ -17,11 +17,9 @@ The retry hint is the excess, the time the queue needs to shrink by that much.
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
-
 from gateway import metrics, slo
 from gateway.slo_estimate import ServiceEstimate
-from llmserve import keys
+from llmserve import keys, redis_client
 from llmserve.errors import ResourceExhausted, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 
@@ -29,7 +27,7 @@ _MIN_RETRY_MS, _MAX_RETRY_MS = 100, 60_000
 
 
 class Shedder:
-    def __init__(self, redis: aioredis.Redis, max_depth: int, high_reserved_share: float,
+    def __init__(self, redis: redis_client.AnyRedis, max_depth: int, high_reserved_share: float,
                  queue_shards: int = 1) -> None:
         self.redis = redis
         self.queue_shards = queue_shards

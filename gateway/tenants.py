@@ -199,6 +199,6 @@ class TenantRegistry:
         tenant = self._by_hash.get(digest)
         # The dict lookup finds the candidate; compare_digest keeps the final check constant-time.
         stored = next((h for h in tenant.key_hashes if hmac.compare_digest(h, digest)), None) if tenant else None
-        if stored is None:
+        if tenant is None or stored is None:
             raise Unauthenticated("unknown api key")
         return tenant

@@ -92,8 +92,8 @@ class TokenizerClient:
         request = tokenizer_pb2.EncodeRequest(model=model_id, text=text, messages=messages,
                                               allow_special_tokens=allow_special_tokens, tools=tools)
         caller_deadline = deadline
-        deadline = min(deadline, time.monotonic() + self.timeout_s * 3) if deadline else \
-            time.monotonic() + self.timeout_s * 3
+        cap = time.monotonic() + self.timeout_s * 3
+        deadline = cap if deadline is None else min(deadline, cap)
         try:
             with tracing.span("tokenize", {tracing.REQUEST_MODEL: model_id}, tracing.SpanKind.CLIENT):
                 async for attempt in retrying(deadline=deadline):

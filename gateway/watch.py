@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import time
 
-import redis.asyncio as aioredis
-
 from gateway import metrics
 from gateway.choices import ChoicesBuilder
 from gateway.config import GatewaySettings
 from gateway.quota import Quota
 from gateway.request_state import Call, Meta
-from llmserve import keys
+from llmserve import keys, redis_client
 from llmserve.errors import DeadlineExceeded, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
@@ -29,7 +27,7 @@ def _now_ms() -> float:
 
 
 class Watch:
-    def __init__(self, settings: GatewaySettings, redis: aioredis.Redis, quota: Quota, call: Call,
+    def __init__(self, settings: GatewaySettings, redis: redis_client.AnyRedis, quota: Quota, call: Call,
                  meta: Meta) -> None:
         self.settings = settings
         self.redis = redis

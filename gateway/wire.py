@@ -45,7 +45,7 @@ def _skip(data: bytes, pos: int, wire_type: int) -> int:
 
 def locate_bad_utf8(data: bytes, schema: dict, prefix: str = "") -> str | None:
     """Dotted name of the first string field whose bytes are not UTF-8 (None if none found)."""
-    pos, index = 0, {}
+    pos, index = 0, dict[int, int]()   # field number -> occurrences so far
     while pos < len(data):
         tag, pos = _varint(data, pos)
         number, wire_type = tag >> 3, tag & 7

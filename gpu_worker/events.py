@@ -7,12 +7,11 @@ dispatched again elsewhere since this worker got it, and the publisher reports w
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import redis.asyncio as aioredis
+from typing import cast
 
 from gpu_worker.engine.sequence import TokenLogprobs
 from gpu_worker.requests import Tracked
-from llmserve import fencing, keys, queue
+from llmserve import fencing, keys, queue, redis_client
 from llmserve.errors import ServiceError
 from llmserve.v1 import inference_pb2, queue_pb2
 
@@ -43,7 +42,7 @@ def build_event(e: Emission, worker_id: str) -> queue_pb2.TokenEvent:
         event.logprobs.extend(_logprob(t, entry) for t, entry in
                               zip(e.token_ids, seq.output_logprobs[start:start + len(e.token_ids)]))
     if e.final:
-        event.finish_reason = e.finish_reason
+        event.finish_reason = cast(inference_pb2.FinishReason, e.finish_reason)
         if e.error is not None:
             event.error.CopyFrom(queue.event_error(e.error))
     if not e.tracked.sent_first:
@@ -70,7 +69,7 @@ class EventPublisher:
         shard: the queue cell the worker joined (inbox key).
     """
 
-    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, ttl_s: int, shard: int = 0) -> None:
+    def __init__(self, redis: redis_client.AnyRedis, model: str, worker_id: str, ttl_s: int, shard: int = 0) -> None:
         self.redis = redis
         self.inbox = keys.inbox_stream(model, worker_id, shard)
         self.worker_id = worker_id

@@ -8,13 +8,11 @@ continues at index len(generated_token_ids).
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
-
-from llmserve import keys, queue
+from llmserve import keys, queue, redis_client
 from llmserve.v1 import queue_pb2
 
 
-async def hand_back(redis: aioredis.Redis, model: str, worker_id: str,
+async def hand_back(redis: redis_client.AnyRedis, model: str, worker_id: str,
                     items: list[queue_pb2.WorkItem], entries: list[str], shard: int = 0) -> None:
     if not items and not entries:
         return

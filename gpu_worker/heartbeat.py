@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 import structlog
 import tenacity
 
 from gpu_worker.engine.engine import EngineStats
-from llmserve import keys
+from llmserve import keys, redis_client
 from llmserve.clock import now_ms
 from llmserve.redis_client import UNAVAILABLE_ERRORS
 from llmserve.v1 import queue_pb2
@@ -35,7 +34,7 @@ class Heartbeat:
         give_up_s: how long writes may fail in a row before `run()` raises.
     """
 
-    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, admin_address: str,
+    def __init__(self, redis: redis_client.AnyRedis, model: str, worker_id: str, admin_address: str,
                  interval_s: float, block_size: int, max_running: int,
                  snapshot: Callable[[], EngineStats], draining: Callable[[], bool], shard: int = 0,
                  give_up_s: float = 30.0, architecture: str = "", weight_format: str = "") -> None:
@@ -79,7 +78,7 @@ class Heartbeat:
             wait=tenacity.wait_random_exponential(multiplier=self.interval_s / 8, max=self.interval_s),
             retry=tenacity.retry_if_exception_type(UNAVAILABLE_ERRORS),
             before_sleep=lambda state: logger.warning("heartbeat not written; retrying", attempt=state.attempt_number,
-                                                      error=repr(state.outcome.exception())))
+                                                      error=repr(state.outcome and state.outcome.exception())))
         async for attempt in retrying:
             with attempt:
                 await self.beat()

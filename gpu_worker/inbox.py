@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 import structlog
 
 from gpu_worker import metrics
-from llmserve import keys, queue
+from llmserve import keys, queue, redis_client
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -46,7 +45,7 @@ class Inbox:
         shard: the queue cell the worker joined.
     """
 
-    def __init__(self, redis: aioredis.Redis, model: str, worker_id: str, shard: int = 0) -> None:
+    def __init__(self, redis: redis_client.AnyRedis, model: str, worker_id: str, shard: int = 0) -> None:
         self.redis = redis
         self.key = keys.inbox_stream(model, worker_id, shard)
         self.consumer = worker_id

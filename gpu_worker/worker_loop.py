@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
 import structlog
 
 from gpu_worker import metrics
@@ -38,7 +37,7 @@ from gpu_worker.inbox import Inbox, InboxEntry
 from gpu_worker.request_spans import RequestSpans
 from gpu_worker.requests import Tracked, handoff_items, validate_item
 from gpu_worker.step_thread import StepThread
-from llmserve import tracing
+from llmserve import redis_client, tracing
 from llmserve.clock import now_ms
 from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from llmserve.redis_client import UNAVAILABLE_ERRORS
@@ -80,7 +79,7 @@ class WorkerLoop:
         step_timeout_s: the step watchdog's limit.
     """
 
-    def __init__(self, engine: LLMEngine, redis: aioredis.Redis, model: str, worker_id: str,
+    def __init__(self, engine: LLMEngine, redis: redis_client.AnyRedis, model: str, worker_id: str,
                  events_ttl_s: int, max_inbox_batches: int, shard: int = 0, step_timeout_s: float = 60.0) -> None:
         self.engine = engine
         self.redis = redis

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import overload
 
 import grpc
 import tenacity
@@ -27,6 +28,10 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, (Unavailable, *redis_client.UNAVAILABLE_ERRORS, ConnectionError))
 
 
+@overload
+def remaining(deadline: float, floor: float = 0.001) -> float: ...
+@overload
+def remaining(deadline: None, floor: float = 0.001) -> None: ...
 def remaining(deadline: float | None, floor: float = 0.001) -> float | None:
     """Seconds left until a `time.monotonic()` deadline (None = no deadline)."""
     if deadline is None:

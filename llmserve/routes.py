@@ -17,7 +17,6 @@ import json
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 from redis.cluster import RedisCluster
 
 from llmserve import redis_client
@@ -85,7 +84,7 @@ def set_weights(client: redis.Redis | RedisCluster, alias: str, weights: dict[st
 
 
 # -- async side: the gateway -----------------------------------------------------------------------------------
-async def seed_async(client: aioredis.Redis, config: ModelsConfig) -> None:
+async def seed_async(client: redis_client.AnyRedis, config: ModelsConfig) -> None:
     """A gateway's start: register, and seed only aliases without weights."""
     fields = catalog_fields(config)
     if fields:
@@ -94,6 +93,6 @@ async def seed_async(client: aioredis.Redis, config: ModelsConfig) -> None:
         await client.set(alias_key(alias), encode_weights(weights), nx=True)
 
 
-async def read_weights(client: aioredis.Redis, aliases: list[str]) -> dict[str, dict[str, int] | None]:
+async def read_weights(client: redis_client.AnyRedis, aliases: list[str]) -> dict[str, dict[str, int] | None]:
     """Current weights of each alias (one GET each: aliases may live in different cluster slots)."""
     return {alias: decode_weights(await client.get(alias_key(alias))) for alias in aliases}

@@ -62,7 +62,8 @@ class Service(Protocol):
     async def drain(self) -> None: ...   # stop taking new work; in-flight calls go on
     async def close(self) -> None: ...   # release resources after the server stopped
     # set (then the stop event) when background work died: serve() exits 1 without draining
-    failure: BaseException | None
+    @property
+    def failure(self) -> BaseException | None: ...
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:

@@ -229,8 +229,7 @@ def convert(path: Path, unpermute: bool = True) -> tuple[ModelConfig, dict[str, 
     reader = GGUFReader(str(path))
     check_types(path, reader)
     config = read_config(reader, unpermute)
-    named = [(hf_name(t.name, config.architecture), t) for t in reader.tensors]
-    named = [(n, t) for n, t in named if n is not None]
+    named = [(n, t) for t in reader.tensors if (n := hf_name(t.name, config.architecture)) is not None]
     weights: dict[str, torch.Tensor] = {}
     step = max(1, len(named) // 10)
     for i, (name, t) in enumerate(named, 1):

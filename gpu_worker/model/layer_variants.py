@@ -60,7 +60,7 @@ def attention(config: ModelConfig, layer: int, q: torch.Tensor, k_cache: torch.T
 
 def extra_norms(config: ModelConfig) -> dict[str, int]:
     """Parameter name -> size of the norms a layer has beyond Llama's input and pre-MLP norms."""
-    norms = {}
+    norms: dict[str, int] = {}
     if config.qk_norm:
         norms |= {"q_norm": config.head_dim, "k_norm": config.head_dim}
     if config.sandwich_norms:

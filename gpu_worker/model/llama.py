@@ -49,6 +49,12 @@ def _replace(module: nn.Module, name: str, value: LinearWeight) -> None:
 
 
 class LlamaDecoderLayer(nn.Module):
+    # set by layer_variants.extra_norms where the architecture has them (q/k norms [D], output norms [H])
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    attn_out_norm: torch.Tensor
+    mlp_out_norm: torch.Tensor
+
     def __init__(self, config: ModelConfig, index: int, device, dtype) -> None:
         super().__init__()
         c = config
@@ -121,6 +127,7 @@ class LlamaModel(nn.Module):
     """forward(input_ids [T], positions [T], meta, kv_cache) -> logits [num_seqs, vocab] float32."""
 
     cos_sin: torch.Tensor  # [context_length, D] fp32 buffer: cos | sin of every position
+    cos_sin_local: torch.Tensor | None   # the same for Gemma 3's windowed layers (their own rope base)
 
     def __init__(
         self,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from gpu_worker.ops.cpu import block_linear, build
-from gpu_worker.ops.weights.gguf_blocks import K_TYPES, Parts, T
+from gpu_worker.ops.weights.gguf_blocks import Parts, T
 
 LEGACY_BITS = (4, 5)
 K_BITS = (2, 3, 4, 5, 6)
@@ -56,8 +56,8 @@ def _plane(codes: np.ndarray, plane: str) -> np.ndarray:
         return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, p, 32)
     by_chunk = codes.reshape(n, p, 2, 4, 8)  # [.., block, chunk c, i]: weight 8c + i
     if plane == "crumb":
-        return sum(by_chunk[..., c, :] << (2 * c) for c in range(4)).reshape(n, p, 16)
-    return sum(by_chunk[..., i] << i for i in range(8)).reshape(n, p, 8)
+        return np.bitwise_or.reduce([by_chunk[..., c, :] << (2 * c) for c in range(4)]).reshape(n, p, 16)
+    return np.bitwise_or.reduce([by_chunk[..., i] << i for i in range(8)]).reshape(n, p, 8)
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -84,7 +84,7 @@ def _torch(a: np.ndarray) -> torch.Tensor:
 def pack(parts: Parts) -> Packed:
     """Parts of a 2- to 6-bit type -> Packed (Q4_1 and Q8_0 have their own kernel, cpu/block_linear.py)."""
     codes = _torch(pack_codes(parts.codes.astype(np.uint8), parts.bits))
-    if parts.ggml_type in K_TYPES:
+    if parts.sc is not None and parts.mn is not None:   # the K types: sub-block scales and mins
         return Packed(f"k{parts.bits}", codes, _torch(parts.d), _torch(parts.offset), _torch(parts.sc),
                       _torch(parts.mn))
     d = _torch(_pad_blocks(parts.d).astype(np.float16))  # the file's fp16 d, exactly

@@ -63,7 +63,7 @@ class Parts:
 
     def scales(self) -> tuple[np.ndarray, np.ndarray]:
         """(scale, offset) per sub-block: [N, K/32] (legacy) or [N, K/16] (K types), fp32."""
-        if self.sc is None:
+        if self.sc is None or self.mn is None:
             return self.d, self.offset
         per = SUPER // SUB
         d, dmin = np.repeat(self.d, per, axis=1), np.repeat(self.offset, per, axis=1)

@@ -125,6 +125,8 @@ class BlockWeight(QuantizedWeight):
     """A weight in blocks of 32 on the C kernel (ops/cpu/block_linear.py), fp32 in and out."""
 
     kind: str
+    codes: torch.Tensor     # buffers, registered in __init__
+    scales: torch.Tensor
     offsets: torch.Tensor | None
 
     def __init__(self, packed: block_linear.Packed, out_features: int, in_features: int) -> None:
@@ -191,6 +193,9 @@ class KQuantWeight(QuantizedWeight):
 
 
 class CudaInt8Weight(QuantizedWeight):
+    q: torch.Tensor         # buffers, registered in __init__
+    scale: torch.Tensor
+
     """Int8Weight's format on CUDA, in the activations' dtype (see the module docstring)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
