@@ -7,7 +7,6 @@ import uuid
 
 import grpc
 import pytest
-import redis
 
 from llmserve import keys
 from llmserve.client import Client
@@ -21,20 +20,6 @@ GREEDY_LONG = pb.SamplingParams(temperature=0.0, max_new_tokens=160)
 # 2048 tokens (the dev tenant's most) without EOS: about 20 s at the fastest this CPU stack decodes,
 # so a cancel, a disconnect or a 2 s deadline always comes first, however fast the engine gets
 UNFINISHABLE = pb.SamplingParams(temperature=0.0, max_new_tokens=2048, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def inference(stack):
-    channel = grpc.insecure_channel(stack.gateway_target)
-    yield inference_pb2_grpc.InferenceStub(channel)
-    channel.close()
-
-
-@pytest.fixture(scope="module")
-def valkey_client(stack):
-    client = redis.Redis.from_url(stack.redis_url)
-    yield client
-    client.close()
 
 
 def running_sequences(client, model_id, queue_shards: int = 1) -> int:

@@ -8,37 +8,16 @@ import uuid
 import grpc
 import openai
 import pytest
-import redis
 from test_gateway_e2e import wait_until
 
 from llmserve import keys, queue
 from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import inference_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m"
 BLOCK = 16                     # the worker's KV block size (default)
 TEAM_B = (("authorization", "Bearer team-b-key"),)
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="dev-key", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def inference(stack):
-    channel = grpc.insecure_channel(stack.gateway_target)
-    yield inference_pb2_grpc.InferenceStub(channel)
-    channel.close()
-
-
-@pytest.fixture(scope="module")
-def valkey_client(stack):
-    client = redis.Redis.from_url(stack.redis_url)
-    yield client
-    client.close()
 
 
 def seeded(n: int, text: str, request_id: str = "", max_new: int = 10) -> pb.GenerateRequest:

@@ -17,24 +17,11 @@ from test_gateway_e2e import running_sequences, wait_until
 from llmserve import keys, queue
 from llmserve.loadgen.streams import PROMPTS
 from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import inference_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="dev-key", max_retries=0, timeout=180)
-
-
-@pytest.fixture(scope="module")
-def inference(stack):
-    channel = grpc.insecure_channel(stack.gateway_target)
-    yield inference_pb2_grpc.InferenceStub(channel)
-    channel.close()
 
 
 def other_key(stack, key: str) -> openai.OpenAI:

@@ -18,11 +18,6 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 ASK = [{"role": "user", "content": "Give the capital of France and its population as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="dev-key", max_retries=0, timeout=180)
-
-
 def test_json_schema_response_format(client):
     reply = client.chat.completions.create(
         model=MODEL, messages=ASK, temperature=0, max_tokens=60,

@@ -16,7 +16,6 @@ import pytest
 
 from llmserve.client import Client
 from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import inference_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -71,13 +70,6 @@ def client(stack):
     client = Client(stack.gateway_target, api_key="dev-key")
     yield client
     client.close()
-
-
-@pytest.fixture(scope="module")
-def inference(stack):
-    channel = grpc.insecure_channel(stack.gateway_target)
-    yield inference_pb2_grpc.InferenceStub(channel)
-    channel.close()
 
 
 def ask(client: Client, prompt: str, fmt: pb.ResponseFormat, **params):

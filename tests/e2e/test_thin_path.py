@@ -6,19 +6,11 @@ import grpc
 import pytest
 
 from llmserve.v1 import inference_pb2 as pb
-from llmserve.v1 import inference_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
 PARIS = [pb.ChatMessage(role="user", content="What is the capital of France?")]
 GREEDY = pb.SamplingParams(temperature=0.0, max_new_tokens=24)
-
-
-@pytest.fixture(scope="module")
-def inference(stack):
-    channel = grpc.insecure_channel(stack.gateway_target)
-    yield inference_pb2_grpc.InferenceStub(channel)
-    channel.close()
 
 
 def stream(inference, auth, messages=PARIS, sampling=GREEDY, prompt=""):
