@@ -41,6 +41,7 @@ from llmserve.errors import ServiceError, Unavailable
 from llmserve.settings import CommonSettings
 
 logger = structlog.get_logger(__name__)
+FAILED_CLOSE_S = 10.0   # how long a failed service may take to close before it exits regardless
 T = TypeVar("T")
 
 # Downstream gRPC codes that keep their meaning when passed on to our caller.
@@ -320,7 +321,14 @@ async def serve(service: Service, settings: CommonSettings, name: str,
 async def _stop_failed(service: Service, handle: ServerHandle) -> int:
     logger.error("service failed; exiting for the supervisor to restart it", error=repr(service.failure))
     await handle.set_serving(False)
-    await handle.stop(0)
-    await service.close()
+    try:   # a failed service must exit: its supervisor restarts it, a hung close would keep it from that
+        await asyncio.wait_for(_close_after_failure(service, handle), FAILED_CLOSE_S)
+    except TimeoutError:
+        logger.error("closing after the failure hung; exiting anyway", timeout_s=FAILED_CLOSE_S)
     tracing.shutdown()
     return 1
+
+
+async def _close_after_failure(service: Service, handle: ServerHandle) -> None:
+    await handle.stop(0)
+    await service.close()
