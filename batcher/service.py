@@ -109,7 +109,8 @@ class BatcherService:
                 except REDIS_TROUBLE as exc:
                     logger.debug("stats refresh failed", error=repr(exc))
             try:
-                await asyncio.wait_for(self._stopping.wait(), self.settings.stats_interval_ms / 1000)
+                async with asyncio.timeout(self.settings.stats_interval_ms / 1000):
+                    await self._stopping.wait()
             except TimeoutError:
                 pass
 

@@ -98,7 +98,8 @@ class FormatCompiler:
         if future is None:
             future = self._compiling[key] = self._start(cache, spec, build, key, tenant)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.shield(future)
         except TimeoutError:
             metrics.GRAMMAR_COMPILES.labels(tenant, "timeout").inc()
             return GrammarError(f"too complex: not compiled within {self.timeout_s:g} s")

@@ -237,7 +237,8 @@ class WorkerService:
 
 async def _remove_heartbeat(heartbeat: Heartbeat) -> None:
     try:
-        await asyncio.wait_for(heartbeat.remove(), 5.0)
+        async with asyncio.timeout(5.0):
+            await heartbeat.remove()
     except _HEARTBEAT_REMOVE_ERRORS as exc:
         logger.warning("could not delete the heartbeat; it expires by itself", error=repr(exc))
 

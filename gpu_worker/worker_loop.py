@@ -190,7 +190,8 @@ class WorkerLoop:
         """The step's outputs, waiting at most until it has run step_timeout_s (the watchdog)."""
         left = self.step_timeout_s - self.step_thread.running_for()
         try:
-            return await asyncio.wait_for(step, max(0.0, left))
+            async with asyncio.timeout(max(0.0, left)):
+                return await step
         except TimeoutError:
             raise StepTimeout(f"an engine step ran for more than {self.step_timeout_s} s "
                               f"(thread {self.step_thread.name}, native id {self.step_thread.native_id})") from None

@@ -322,7 +322,8 @@ async def _stop_failed(service: Service, handle: ServerHandle) -> int:
     logger.error("service failed; exiting for the supervisor to restart it", error=repr(service.failure))
     await handle.set_serving(False)
     try:   # a failed service must exit: its supervisor restarts it, a hung close would keep it from that
-        await asyncio.wait_for(_close_after_failure(service, handle), FAILED_CLOSE_S)
+        async with asyncio.timeout(FAILED_CLOSE_S):
+            await _close_after_failure(service, handle)
     except TimeoutError:
         logger.error("closing after the failure hung; exiting anyway", timeout_s=FAILED_CLOSE_S)
     tracing.shutdown()

@@ -24,6 +24,10 @@ from typing import Any
 import structlog
 
 logger = structlog.get_logger(__name__)
+# Python 3.11's asyncio.wait_for returns its result instead of raising when a cancel arrives as
+# its awaitable finishes; redis-py sends every command through it (socket_timeout), so a cancel
+# can be lost and a task cancelled once may run on. cancel() asks again after this long.
+RECANCEL_S = 0.5
 
 
 class TaskEnded(RuntimeError):
@@ -69,9 +73,14 @@ class TaskSupervisor:
         if task is None:
             return
         task.cancel()
+        while not task.done():
+            await asyncio.wait({task}, timeout=RECANCEL_S)
+            if not task.done():   # a library swallowed the cancel: ask again
+                logger.debug("task still running after a cancel; cancelling again", task=name)
+                task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             try:
-                await task
+                task.result()
             except Exception as exc:  # noqa: BLE001 - a failure was reported when it happened
                 logger.debug("task ended with an error", task=name, error=repr(exc))
 

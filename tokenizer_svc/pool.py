@@ -108,7 +108,8 @@ class Pool:
     async def start(self, timeout_s: float = 120.0) -> None:
         """Spawn every process and wait until all are ready."""
         await asyncio.gather(*(self._spawn(i) for i in range(self.size)))
-        await asyncio.wait_for(self._all_ready(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._all_ready()
 
     async def _all_ready(self) -> None:
         while sum(w.ready for w in self.workers.values()) < self.size:
@@ -127,7 +128,8 @@ class Pool:
         self._dispatch(job)
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            return await asyncio.wait_for(job.future, timeout)
+            async with asyncio.timeout(timeout):
+                return await job.future
         except TimeoutError:
             raise DeadlineExceeded("deadline exceeded while tokenizing") from None
 

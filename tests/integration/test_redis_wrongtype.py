@@ -36,7 +36,8 @@ async def test_the_heartbeat_fails_at_once_on_a_workers_hash_of_the_wrong_type(r
                      draining=lambda: False, give_up_s=3600.0)
     try:
         with pytest.raises(redis_client.redis.exceptions.ResponseError) as failed:
-            await asyncio.wait_for(beat.run(), 60)
+            async with asyncio.timeout(60):
+                await beat.run()
     finally:
         await client.aclose()
     assert redis_client.is_wrong_type(failed.value)

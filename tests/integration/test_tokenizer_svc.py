@@ -228,7 +228,8 @@ async def test_long_prompts_in_flight_do_not_block_short_ones(stub, server):
     # One long document per pool process: both bulk lanes busy for seconds.
     longs = [asyncio.ensure_future(stub.Encode(pb.EncodeRequest(text=long_text(MAX_TEXT, f"hol{i}")), timeout=120))
              for i in range(2)]
-    await asyncio.wait_for(_wait_for_bulk_in_flight(server, 2), 60)
+    async with asyncio.timeout(60):
+        await _wait_for_bulk_in_flight(server, 2)
     order: list[str] = []
     longs[0].add_done_callback(lambda _: order.append("long"))
     longs[1].add_done_callback(lambda _: order.append("long"))
@@ -247,7 +248,8 @@ async def test_killed_pool_processes_are_replaced_and_requests_retried(stub, ser
     old_pids = server.pool_pids()
     assert len(old_pids) == 2
     calls = [asyncio.ensure_future(stub.Encode(pb.EncodeRequest(text=t), timeout=120)) for t in texts]
-    await asyncio.wait_for(_wait_for_bulk_in_flight(server, 2), 60)
+    async with asyncio.timeout(60):
+        await _wait_for_bulk_in_flight(server, 2)
     for pid in old_pids:
         os.kill(pid, signal.SIGKILL)
     replies = await asyncio.gather(*calls)

@@ -70,3 +70,27 @@ def test_cancel_and_ends_while_stopping_are_expected():
         await asyncio.sleep(0.01)
 
     assert _run(scenario) == []
+
+
+def test_cancel_asks_again_when_a_library_swallowed_the_cancel():
+    """Python 3.11's wait_for (which redis-py sends every command through) drops a cancel that meets
+    a finishing awaitable; a loop around it would then run on and its service never exit."""
+    swallowed = []
+
+    async def loop_that_loses_one_cancel() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(True)      # what the library did: carry on as if nothing came
+
+    async def scenario(tasks: TaskSupervisor) -> None:
+        tasks.start("stats", loop_that_loses_one_cancel())
+        await asyncio.sleep(0)
+        async with asyncio.timeout(10):
+            await tasks.cancel("stats")
+        assert "stats" not in tasks and swallowed == [True]
+
+    assert _run(scenario) == []
