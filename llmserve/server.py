@@ -39,6 +39,7 @@ from grpc_reflection.v1alpha import reflection
 from llmserve import redis_client, tracing
 from llmserve.errors import ServiceError, Unavailable
 from llmserve.settings import CommonSettings
+from llmserve.tasks import cancel_and_wait
 
 logger = structlog.get_logger(__name__)
 FAILED_CLOSE_S = 10.0   # how long a failed service may take to close before it exits regardless
@@ -300,7 +301,12 @@ async def serve(service: Service, settings: CommonSettings, name: str,
     settings.port = handle.port          # from here on the settings name the port actually bound
     if settings.port_file:
         write_port_file(settings.port_file, handle.port)
-    await service.start()
+    if not await _start_unless_stopped(service, stop):
+        logger.info("stopped while starting")
+        await handle.stop(0)
+        await service.close()
+        tracing.shutdown()
+        return 0
     if not stop.is_set():
         await handle.set_serving(True)
         logger.info("serving", address=f"{settings.host}:{handle.port}", metrics_port=settings.metrics_port,
@@ -316,6 +322,20 @@ async def serve(service: Service, settings: CommonSettings, name: str,
     tracing.shutdown()
     logger.info("stopped")
     return 0
+
+
+async def _start_unless_stopped(service: Service, stop: asyncio.Event) -> bool:
+    """`service.start()`, abandoned when `stop` is set first (SIGTERM while it waits for Redis or
+    loads a model): False then. A start that raises still raises."""
+    starting = asyncio.ensure_future(service.start())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if starting.done():
+        starting.result()
+        return True
+    await cancel_and_wait(starting)
+    return False
 
 
 async def _stop_failed(service: Service, handle: ServerHandle) -> int:

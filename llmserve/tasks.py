@@ -72,12 +72,7 @@ class TaskSupervisor:
         task = self._tasks.get(name)
         if task is None:
             return
-        task.cancel()
-        while not task.done():
-            await asyncio.wait({task}, timeout=RECANCEL_S)
-            if not task.done():   # a library swallowed the cancel: ask again
-                logger.debug("task still running after a cancel; cancelling again", task=name)
-                task.cancel()
+        await cancel_and_wait(task)
         with contextlib.suppress(asyncio.CancelledError):
             try:
                 task.result()
@@ -108,3 +103,13 @@ class TaskSupervisor:
         self.failure = exc
         logger.error("task died; failing the service", task=name, exc_info=(type(exc), exc, exc.__traceback__))
         self.on_failure(exc)
+
+
+async def cancel_and_wait(task: asyncio.Task) -> None:
+    """Cancel `task` and wait until it ended, cancelling again while a library swallows it."""
+    task.cancel()
+    while not task.done():
+        await asyncio.wait({task}, timeout=RECANCEL_S)
+        if not task.done():
+            logger.debug("task still running after a cancel; cancelling again", task=task.get_name())
+            task.cancel()

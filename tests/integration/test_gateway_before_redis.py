@@ -101,3 +101,14 @@ async def test_a_gateway_started_before_redis_waits_for_it(waiting_gateway):
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
             await redis.aclose()
+
+
+async def test_sigterm_while_waiting_for_redis_stops_the_gateway(waiting_gateway):
+    """The stop is not held up by the wait (300 s here): the gateway exits 0 without Redis ever up."""
+    gateway, _valkey, _http_port_file, _model_tokenizer = waiting_gateway
+    deadline = time.monotonic() + 120
+    while "redis not reachable yet; waiting" not in gateway.log_tail(50):
+        assert gateway.alive() and time.monotonic() < deadline, gateway.log_tail(50)
+        await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(gateway.stop, 120) == 0, gateway.log_tail(50)
+    assert "stopped while starting" in gateway.log_tail(50)
