@@ -6,16 +6,19 @@ the same run with the feature off:
      (max_running = --lows): priority preemption on vs off (worker --priority-preemption);
      beside it one decode step (the LOWs' median inter-token gap) and the HIGH prompt's TTFT
      on an idle stack (its prefill)
-  b  two tenants, each with --fair-clients back-to-back clients (both always backlogged), for
-     --duration s, one with --long-prompt-token prompts (the issue's 2,000) and one with
-     --short-prompt (50), 4 new tokens each: prompt + generated tokens per second each tenant got within the window and
-     Jain's index, token-fair (VTC, batcher and worker) vs request round-robin (batcher and
-     worker --fair-share requests)
-  c  mixed SLO load (--slo-rate, --duration s): 70 % interactive (50-token prompts, 8 new,
-     TTFT 4 s, TPOT 1.5 s), 30 % batch (300-token prompts, 16 new, TTFT 40 s, TPOT 3 s);
-     goodput (requests/s within their own targets) with the targets sent (earliest deadline
-     first) and early refusal (tenant shed_unmeetable), vs the same requests without targets
-     (FIFO). The targets suit a shared 2-core CPU; scale them with the machine.
+  b  two tenants of back-to-back clients (--long-clients, --short-clients: enough that both
+     always have work waiting at the batcher, sampled from the work stream), one with
+     --long-prompt-token prompts (the issue's 2,000) and one with --short-prompt (50), 4 new
+     tokens each; over a --duration s window opening --settle s after both first had work
+     waiting: prompt + generated tokens per second each tenant got and Jain's index,
+     token-fair (VTC, batcher and worker) vs request round-robin (batcher and worker
+     --fair-share requests)
+  c  mixed SLO load (--slo-rate, --slo-duration s, after an unmeasured warm-up): 70 %
+     interactive (50-token prompts, 8 new, TTFT 4 s, TPOT 1.5 s), 30 % batch (300-token
+     prompts, 16 new, TTFT 40 s, TPOT 3 s); goodput (requests/s within their own targets)
+     with the targets sent (earliest deadline first) and early refusal (tenant
+     shed_unmeetable), vs the same requests without targets (FIFO). The targets and the rate
+     (about the stack's capacity) suit a shared 2-core CPU; scale them with the machine.
 
     PYTHONPATH=$PWD .venv/bin/python bench/scheduling.py [--parts a,b,c] \\
         [--output bench/results/scheduling/cpu.json]
@@ -46,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from gateway.tenants import hash_key  # noqa: E402
-from llmserve import keys, model_store  # noqa: E402
+from llmserve import keys, model_store, queue  # noqa: E402
 from llmserve.loadgen.goodput import jain, met  # noqa: E402
 from llmserve.loadgen.stats import RequestResult  # noqa: E402
 from llmserve.slo import Targets  # noqa: E402
@@ -192,32 +195,48 @@ class Bench:
         raise TimeoutError("the LOW generations did not all start")
 
     # ── b: two tenants, long vs short prompts, same request rate ─────────────────────────────
-    async def fair_tokens(self, clients: int, duration_s: float, sizes: dict[str, int], max_new: int = 4) -> dict:
-        """`clients` back-to-back clients per tenant (both tenants always backlogged) for the window;
-        tokens each tenant got in it: the prompt of every request whose first token arrived in it
-        (its prefill is done), plus every generated token that arrived in it."""
+    async def fair_tokens(self, clients: dict[str, int], settle_s: float, duration_s: float, sizes: dict[str, int],
+                          max_new: int = 4) -> dict:
+        """`clients[t]` back-to-back clients per tenant, enough that both tenants' work waits at the
+        batcher; the window of `duration_s` opens `settle_s` after both first have work queued there.
+        Tokens each tenant got in the window: the prompt of every request whose first token arrived
+        in it (its prefill is done), plus every generated token that arrived in it."""
         live: dict[str, list[RequestResult]] = {t: [] for t in sizes}
-        start = time.monotonic()
-        end = start + duration_s
+        stop = asyncio.Event()
 
         async def client(tenant: str) -> None:
-            while time.monotonic() < end:
+            while not stop.is_set():
                 await stream(self.stub, tenant, self.prompts.make(sizes[tenant]), max_new, next(self.ids),
                              into=live[tenant])
 
-        tasks = [asyncio.ensure_future(client(t)) for t in sizes for _ in range(clients)]
-        await asyncio.sleep(duration_s)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        tasks = [asyncio.ensure_future(client(t)) for t in sizes for _ in range(clients[t])]
+        probe = Backlog(self.redis, list(sizes))
+        probing = asyncio.ensure_future(probe.run(stop))
+        try:
+            async with asyncio.timeout(300):
+                while not probe.both():
+                    await asyncio.sleep(0.25)
+            await asyncio.sleep(settle_s)
+            probe.samples.clear()
+            start = time.monotonic()
+            await asyncio.sleep(duration_s)
+            end = time.monotonic()
+            samples = list(probe.samples)
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, probing, return_exceptions=True)
         await self.idle()
-        tokens = {t: sum(_served(r, sizes[t], end) for r in rs) / duration_s for t, rs in live.items()}
-        started = {t: sum(1 for r in rs if r.first_token_s is not None and r.first_token_s <= end)
+        tokens = {t: sum(_served(r, sizes[t], start, end) for r in rs) / duration_s for t, rs in live.items()}
+        started = {t: sum(1 for r in rs if r.first_token_s is not None and start <= r.first_token_s <= end)
                    for t, rs in live.items()}
         return {"tokens_per_s": tokens, "first_tokens_in_window": started,
+                "batcher_backlog_mean": {t: statistics.mean(b[t] for b in samples) for t in sizes},
+                "both_backlogged_share": sum(all(b[t] for t in sizes) for b in samples) / len(samples),
                 "errors": {t: sum(1 for r in rs if r.code not in ("OK", "CANCELLED")) for t, rs in live.items()},
-                "jain": jain(list(tokens.values())), "clients_per_tenant": clients, "duration_s": duration_s,
-                "prompt_tokens": sizes, "max_new_tokens": max_new}
+                "jain": jain(list(tokens.values())), "clients_per_tenant": clients, "settle_s": settle_s,
+                "duration_s": duration_s, "prompt_tokens": sizes, "max_new_tokens": max_new}
 
     # ── c: mixed SLO load ────────────────────────────────────────────────────────────────────
     async def mixed_slo(self, rate: float, duration_s: float, aware: bool) -> dict:
@@ -233,6 +252,8 @@ class Bench:
             kind = "interactive" if kinds.random() < 0.7 else "batch"
             return asyncio.ensure_future(one(kind, *MIXED[kind]))
 
+        for size, max_new, _ in MIXED.values():          # warm up, unmeasured (no targets: no samples)
+            await stream(self.stub, "fifo", self.prompts.make(size), max_new, next(self.ids))
         done, sent = await self.open_loop(rate, duration_s, send)
         await self.idle()
         met_by_kind = {k: sum(met(r, MIXED[k][2]) for kind, r in done if kind == k) for k in MIXED}
@@ -242,11 +263,34 @@ class Bench:
                 "rate": rate, "duration_s": duration_s}
 
 
-def _served(result: RequestResult, prompt_tokens: int, end: float) -> int:
-    """Prompt (once its first token arrived) plus generated tokens a request got before `end`."""
-    if result.first_token_s is None or result.first_token_s > end:
-        return 0
-    return prompt_tokens + sum(n for t, n in zip(result.chunk_times_s, result.chunk_tokens) if t <= end)
+class Backlog:
+    """How many requests of each tenant wait at the batcher, every 0.5 s: entries of the NORMAL
+    work stream (read ahead or not; the batcher deletes an entry once it dispatched it)."""
+
+    def __init__(self, client: redis.Redis, tenants: list[str]) -> None:
+        self.redis, self.tenants = client, tenants
+        self.key = keys.work_stream(model_store.DEFAULT_MODEL, pb.PRIORITY_NORMAL)
+        self.samples: list[dict[str, int]] = []
+
+    def both(self) -> bool:
+        """Whether every tenant had work waiting at the last sample."""
+        return bool(self.samples) and all(self.samples[-1].values())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            entries = await asyncio.to_thread(self.redis.xrange, self.key)
+            counts = dict.fromkeys(self.tenants, 0)
+            for _, fields in entries:
+                tenant = queue.decode_item(fields).tenant
+                counts[tenant] = counts.get(tenant, 0) + 1
+            self.samples.append(counts)
+            await asyncio.sleep(0.5)
+
+
+def _served(result: RequestResult, prompt_tokens: int, start: float, end: float) -> int:
+    """Prompt (when its first token arrived) plus generated tokens a request got in [start, end]."""
+    prompt = prompt_tokens if result.first_token_s is not None and start <= result.first_token_s <= end else 0
+    return prompt + sum(n for t, n in zip(result.chunk_times_s, result.chunk_tokens) if start <= t <= end)
 
 
 STACKS = {   # feature on / off: worker preemption (a), batcher fair share (b); c runs on "on" both ways
@@ -278,12 +322,13 @@ async def run_parts(setting: str, parts: set[str], args: argparse.Namespace, pro
             out["a"] = await bench.high_under_lows(args.lows, args.low_tokens)
             print(f"[{setting}] a: {out['a']}", flush=True)
         if "b" in parts:
-            out["b"] = await bench.fair_tokens(args.fair_clients, args.duration,
-                                               {"long": args.long_prompt, "short": args.short_prompt})
+            out["b"] = await bench.fair_tokens({"long": args.long_clients, "short": args.short_clients}, args.settle,
+                                               args.duration, {"long": args.long_prompt, "short": args.short_prompt})
             print(f"[{setting}] b: {out['b']}", flush=True)
         if "c" in parts and setting == "on":
             for aware in (True, False):
-                out["c_slo_aware" if aware else "c_fifo"] = await bench.mixed_slo(args.slo_rate, args.duration, aware)
+                out["c_slo_aware" if aware else "c_fifo"] = await bench.mixed_slo(args.slo_rate, args.slo_duration,
+                                                                                  aware)
                 print(f"[{setting}] c aware={aware}: {out['c_slo_aware' if aware else 'c_fifo']}", flush=True)
     finally:
         await bench.channel.close()
@@ -319,11 +364,17 @@ def main() -> None:
     parser.add_argument("--parts", default="a,b,c")
     parser.add_argument("--lows", type=int, default=32)
     parser.add_argument("--low-tokens", type=int, default=512)
-    parser.add_argument("--fair-clients", type=int, default=12, help="back-to-back clients per tenant in part b")
+    parser.add_argument("--long-clients", type=int, default=12, help="back-to-back clients of part b's long tenant")
+    parser.add_argument("--short-clients", type=int, default=40,
+                        help="back-to-back clients of part b's short tenant (its requests finish sooner: it needs "
+                             "more to keep work waiting at the batcher)")
+    parser.add_argument("--settle", type=float, default=15.0,
+                        help="seconds from both tenants' first backlog at the batcher to part b's window")
     parser.add_argument("--long-prompt", type=int, default=2000, help="prompt tokens of part b's long tenant")
     parser.add_argument("--short-prompt", type=int, default=50, help="prompt tokens of part b's short tenant")
-    parser.add_argument("--slo-rate", type=float, default=1.0, help="requests/s in part c")
-    parser.add_argument("--duration", type=float, default=90.0, help="seconds of load in parts b and c")
+    parser.add_argument("--slo-rate", type=float, default=2.5, help="requests/s in part c")
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds of part b's window")
+    parser.add_argument("--slo-duration", type=float, default=40.0, help="seconds of load in part c")
     parser.add_argument("--output", default="")
     args = parser.parse_args()
     asyncio.run(run(args))

@@ -67,7 +67,7 @@ class Shedder:
         tenant asked for early refusal)."""
         if not ttft_target_ms:
             return
-        predicted = self.estimate.ttft_ms(model, priority, waited_ms, ahead, prompt_tokens)
+        predicted = self.estimate.ttft_ms(model, priority, waited_ms, ahead, prompt_tokens, ttft_target_ms)
         if predicted is None or predicted <= ttft_target_ms:
             return
         metrics.REJECTIONS.labels(tenant, "slo_unmeetable").inc()

@@ -124,6 +124,7 @@ class StreamSlo:
             self.estimate.started(self.model, self.admitted.priority, self.admitted.ahead,
                                   first.admitted_unix_ms - self.enqueued_ms,
                                   watch.first_token_ms - first.admitted_unix_ms,
-                                  first.prompt_tokens - first.cached_prompt_tokens)
+                                  first.prompt_tokens - first.cached_prompt_tokens,
+                                  self.admitted.targets.ttft_ms)
         if chunk.HasField("usage") and chunk.finish_reason != pb.FINISH_REASON_CANCELLED:
             count_finished(self.tenant, self.admitted.priority, self.admitted.targets, chunk.usage)

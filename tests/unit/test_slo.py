@@ -1,4 +1,4 @@
-"""Latency targets: deadlines, met/missed, the TTFT estimate, and the tenants file's SLO fields."""
+"""Latency targets: deadlines, met/missed, and the tenants file's SLO fields (the TTFT estimate: test_slo_estimate.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,10 @@ import math
 
 import pytest
 
-from gateway.slo_estimate import HORIZON_S, ServiceEstimate
 from gateway.tenants import TenantsError, parse_tenant
 from llmserve.slo import NO_DEADLINE, Targets, item_deadline_ms, mean_tpot_ms, next_token_deadline_ms
-from llmserve.v1 import inference_pb2, queue_pb2
+from llmserve.v1 import queue_pb2
 
-NORMAL = inference_pb2.PRIORITY_NORMAL
 TENANT = {"id": "t", "requests_per_second": 1, "burst": 1, "tokens_per_minute": 100, "max_concurrent": 1,
           "max_new_tokens": 8}
 
@@ -29,26 +27,6 @@ def test_met_checks_only_the_targets_a_request_has():
     assert Targets(0, 10).met(10_000, 10) and Targets().met(math.inf, math.inf)
     assert mean_tpot_ms(ttft_ms=100, total_ms=400, completion_tokens=4) == 100
     assert mean_tpot_ms(ttft_ms=100, total_ms=400, completion_tokens=1) == 0
-
-
-def test_estimate_is_the_queue_rate_times_the_queue_plus_the_fitted_prefill():
-    est = ServiceEstimate()
-    assert est.ttft_ms("m", NORMAL, 0, 0, 100, now=0.0) is None        # nothing measured: no prediction
-    est.started("m", NORMAL, ahead=4, queue_ms=500, prefill_ms=110, prompt_tokens=100, now=0.0)  # 100 ms / request
-    assert est.ttft_ms("m", NORMAL, waited_ms=5, ahead=9, prompt_tokens=100, now=1.0) == \
-        pytest.approx(5 + 10 * 100 + 110)
-    assert est.ttft_ms("m", inference_pb2.PRIORITY_HIGH, 0, 0, 100, now=1.0) is None   # rates are per priority
-    for tokens in (100, 1_100, 2_100):          # prefill = 10 ms + 1 ms per token: the slope is fitted
-        est.started("m", NORMAL, ahead=0, queue_ms=100, prefill_ms=10 + tokens, prompt_tokens=tokens, now=2.0)
-    predicted = est.ttft_ms("m", NORMAL, waited_ms=0, ahead=0, prompt_tokens=3_100, now=2.0)
-    assert predicted is not None and predicted > 3_000
-
-
-def test_a_stale_estimate_predicts_nothing_so_refusals_cannot_last_forever():
-    est = ServiceEstimate()
-    est.started("m", NORMAL, ahead=0, queue_ms=60_000, prefill_ms=1_000, prompt_tokens=100, now=0.0)
-    assert est.ttft_ms("m", NORMAL, 0, 0, 100, now=HORIZON_S) is not None
-    assert est.ttft_ms("m", NORMAL, 0, 0, 100, now=HORIZON_S + 0.1) is None
 
 
 def test_tenant_slo_defaults_and_shed_flag_parse_and_are_checked():
