@@ -8,6 +8,9 @@ separate sequences (seed + i; docs/logprobs.md) and tags each event with its cho
     ChoicesBuilder    one OutputBuilder per choice behind OutputBuilder's face: chunks name
                       their choice, `next_index` counts every choice's tokens, done when all are
     collect           the chunks of a whole call -> CompleteResponse (choice 0 also on top)
+    cancel_choice     a choice that ended at a stop string while others run on: its own cancel
+                      key (llmserve/keys.py) makes the worker stop that sequence within a step
+                      (the last choice to end ends the request, and the flow cancels it whole)
 
 Concurrency: the request holds one lease (max_concurrent counts requests, as the rate does);
 the tokens of all its choices count against tokens_per_minute.
@@ -21,6 +24,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from gateway.output import OutputBuilder
+from llmserve import keys, redis_client
 from llmserve.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
@@ -81,6 +85,11 @@ class ChoicesBuilder:
                     choice.cancelled()
         return chunk
 
+    def ended_alone(self, chunk: pb.GenerateResponse, event: queue_pb2.TokenEvent) -> bool:
+        """`chunk` ended its choice here (a stop string, before the worker's final event of it)
+        while other choices still run: the worker must be told to stop that choice."""
+        return bool(chunk.finish_reason) and not event.final and not self.done
+
     def cancelled(self) -> pb.GenerateResponse:
         """The last chunk of a request cancelled without final events: it ends every open choice
         (its choice_index names the first of them)."""
@@ -88,6 +97,12 @@ class ChoicesBuilder:
         chunks = [self.choices[i].cancelled() for i in open_choices]
         chunks[0].choice_index = open_choices[0]
         return chunks[0]
+
+
+async def cancel_choice(redis: redis_client.AnyRedis, tenant: str, request_id: str, choice: int,
+                        ttl_s: int) -> None:
+    """Tell the worker (this one, or the next after a failover) to stop one choice of the request."""
+    await redis.set(keys.choice_cancel_key(keys.cancel_key(tenant, request_id), choice), "1", ex=ttl_s)
 
 
 async def collect(request_id: str, chunks: AsyncIterator[pb.GenerateResponse]) -> pb.CompleteResponse:

@@ -254,6 +254,9 @@ class Flow:
                 chunk = builder.feed(event)
                 if chunk is None:
                     continue
+                if builder.ended_alone(chunk, event):
+                    await choices.cancel_choice(self.redis, call.tenant.id, call.request_id, chunk.choice_index,
+                                                self.settings.events_ttl_s)
                 watch.observe_chunk(chunk, model.id, builder)
                 if builder.done:
                     chunk.usage.CopyFrom(watch.usage(builder, meta))

@@ -6,7 +6,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from gpu_worker.engine.sequence import SamplingParams, Sequence
-from llmserve import queue, slo
+from llmserve import keys, queue, slo
 from llmserve.clock import now_ms
 from llmserve.grammar import GrammarCache, GrammarError
 from llmserve.v1 import queue_pb2
@@ -86,6 +86,13 @@ class Tracked:
             [(i, list(item.generated_token_ids)) for i in range(max(1, item.n))]
         first = cls.from_item(item, entry_id, *progress[0])
         return [first, *(cls.from_item(item, entry_id, i, prior, first.seq) for i, prior in progress[1:])]
+
+    @property
+    def cancel_keys(self) -> tuple[str, ...]:
+        """The keys whose existence stops this choice: the request's, and (n > 1) the choice's own."""
+        if max(1, self.item.n) == 1 or not self.item.cancel_key:
+            return (self.item.cancel_key,)
+        return self.item.cancel_key, keys.choice_cancel_key(self.item.cancel_key, self.seq.choice_index)
 
     def expired(self, at_ms: int) -> bool:
         return queue.is_expired(self.item, at_ms)

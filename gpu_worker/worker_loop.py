@@ -150,7 +150,7 @@ class WorkerLoop:
         pipe = self.redis.pipeline(transaction=False)
         self.publisher.queue_events(pipe, emissions)
         for t in live:
-            pipe.exists(t.item.cancel_key)
+            pipe.exists(*t.cancel_keys)
         if read_inbox:
             self.inbox.queue_read(pipe, self.max_inbox_batches)
         self.publisher.queue_acks(pipe, acks)
@@ -244,8 +244,8 @@ class WorkerLoop:
             self.spans.admitted(tracked)
 
     def _stop_cancelled_and_expired(self, live: list[Tracked], cancelled: list) -> None:
-        """Abort the live requests whose cancel key exists (`cancelled`, one flag each) or whose
-        deadline passed."""
+        """Abort the live requests whose cancel key exists, or the choices whose own one does
+        (`cancelled`, one count each), or whose deadline passed."""
         at = now_ms()
         for t, flag in zip(live, cancelled):
             if t.done or t.seq.is_finished:

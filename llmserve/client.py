@@ -12,64 +12,39 @@ deadline. A stream that breaks part-way (gateway restart, network) is resumed
 by request_id from the next index (`x-resume-from`), so the caller sees every
 index exactly once and the request is generated and charged once. Closing a
 `generate` iterator early cancels the request.
+
+Tools, n and logprobs (docs/tools.md, docs/logprobs.md):
+
+    reply = client.complete(messages=[...], tools=[WEATHER], tool_choice="required", n=2, logprobs=True)
+    reply.tool_calls[0].name, reply.tool_calls[0].parsed_arguments()    # choice 0; all in reply.choices
+    messages += [reply.as_message(), {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "18 C"}]
+
+Streamed, each chunk names its `choice_index` and carries the tool calls that completed in it;
+a resumed stream keeps each choice's index and each call exactly once.
+Requests are built by llmserve/client_request.py, replies read by llmserve/client_results.py.
 """
 
 from __future__ import annotations
 
 import random
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
 import grpc
 
+from llmserve.client_request import build_request, messages_of
+from llmserve.client_results import Choice, Chunk, Completion, TokenLogprob, ToolCall, TopLogprob, Usage, to_chunk, to_completion
 from llmserve.retry import is_retryable, remaining
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 
+__all__ = ["DEFAULT_TIMEOUT_S", "AsyncClient", "Chunk", "Choice", "Client", "Completion", "LLMServeError", "Model",
+           "ResumeCursor", "RetryPolicy", "StreamEnded", "TokenLogprob", "ToolCall", "TopLogprob", "Usage",
+           "build_request", "to_chunk"]
+
 DEFAULT_TIMEOUT_S = 300.0   # generate/complete deadline unless the caller gives one
-
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                  pb.FINISH_REASON_CANCELLED: "cancelled"}
-PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-    queue_ms: float
-    ttft_ms: float
-    total_ms: float
-
-    @classmethod
-    def from_pb(cls, u: pb.Usage) -> Usage:
-        return cls(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.queue_ms, u.ttft_ms, u.total_ms)
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed piece; `finish_reason` ("stop" | "length" | "cancelled") and `usage` on the last only."""
-
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    index: int
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    usage: Usage | None
-
 
 @dataclass(frozen=True)
 class Model:
@@ -121,40 +96,26 @@ def _error(exc: BaseException, request_id: str = "") -> LLMServeError:
                          int(retry) if retry and str(retry).isdigit() else None)
 
 
-def _messages(messages: Sequence[Mapping[str, str] | pb.ChatMessage] | None) -> list[pb.ChatMessage]:
-    return [m if isinstance(m, pb.ChatMessage) else pb.ChatMessage(role=m["role"], content=m["content"])
-            for m in messages or ()]
-
-
-def build_request(prompt: str | None = None, messages=None, *, model: str = "", max_new_tokens: int | None = None,
-                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                  stop: Sequence[str] = (), seed: int | None = None, repetition_penalty: float | None = None,
-                  priority: str | None = None, request_id: str | None = None,
-                  response_format: pb.ResponseFormat | None = None) -> pb.GenerateRequest:
-    """A GenerateRequest; unset sampling fields stay unset (server defaults). request_id defaults to a uuid.
-    response_format: structured output, e.g. `pb.ResponseFormat(json_schema=json.dumps(schema))`."""
-    sampling = pb.SamplingParams(stop=list(stop), response_format=response_format)
-    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("repetition_penalty", repetition_penalty)):
-        if value is not None:
-            setattr(sampling, name, value)
-    return pb.GenerateRequest(model=model, prompt=prompt or "", messages=_messages(messages), sampling=sampling,
-                              request_id=request_id or uuid.uuid4().hex,
-                              priority=PRIORITIES[priority] if priority else pb.PRIORITY_UNSPECIFIED)
-
-
-def to_chunk(resp: pb.GenerateResponse) -> Chunk:
-    return Chunk(resp.request_id, resp.text, tuple(resp.token_ids), resp.index,
-                 FINISH_REASONS.get(resp.finish_reason), Usage.from_pb(resp.usage) if resp.HasField("usage") else None)
-
-
 class ResumeCursor:
-    """Exactly-once delivery across resumed streams: drops chunks whose index was already delivered."""
+    """Exactly-once delivery across resumed streams: drops chunks whose index was already delivered.
 
-    def __init__(self) -> None:
-        self.next_index = 0
-        self.finished = False
+    With n choices each has its own index: a resume asks for the chunks from the lowest index a
+    still open choice needs, and the repeats of the others are dropped here.
+    """
+
+    def __init__(self, n: int = 1) -> None:
+        self.positions = [0] * n       # next index per choice
+        self.ended = [False] * n
         self.started = False
+
+    @property
+    def finished(self) -> bool:
+        return all(self.ended)
+
+    @property
+    def next_index(self) -> int:
+        """Where a resume starts: the lowest next index of the open choices."""
+        return min((p for p, e in zip(self.positions, self.ended) if not e), default=max(self.positions))
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("x-resume-from", str(self.next_index)),) if self.started else ()
@@ -163,15 +124,18 @@ class ResumeCursor:
         """True when `resp` is new and should go to the caller.
 
         The gateway cuts a request's chunks at the same places on every attach,
-        so a chunk either starts at or after `next_index` (new) or repeats one
-        already delivered.
+        so a chunk either starts at or after its choice's next index (new) or
+        repeats one already delivered.
         """
         self.started = True
+        choice = resp.choice_index
+        if choice >= len(self.positions):
+            return False                 # not a choice of this request
         final = resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-        if self.finished or (resp.index < self.next_index and not final):
+        if self.ended[choice] or (resp.index < self.positions[choice] and not final):
             return False
-        self.next_index = max(self.next_index, resp.index + len(resp.token_ids))
-        self.finished = final
+        self.positions[choice] = max(self.positions[choice], resp.index + len(resp.token_ids))
+        self.ended[choice] = final
         return True
 
 
@@ -239,7 +203,7 @@ class Client:
         """Stream a completion; `params` as in `build_request` (max_new_tokens, temperature, seed, request_id...)."""
         request = build_request(prompt, messages, **params)
         deadline = None if timeout is None else time.monotonic() + timeout
-        cursor, attempt, call = ResumeCursor(), 0, None
+        cursor, attempt, call = ResumeCursor(request.n or 1), 0, None
         try:
             while not cursor.finished:
                 try:
@@ -274,15 +238,14 @@ class Client:
         """The whole completion at once (retries re-attach to the same request_id)."""
         request = build_request(prompt, messages, **params)
         reply, _ = self._unary(self.stub.Complete, request, timeout, request.request_id)
-        return Completion(reply.request_id, reply.text, tuple(reply.token_ids),
-                          FINISH_REASONS.get(reply.finish_reason), Usage.from_pb(reply.usage))
+        return to_completion(reply)
 
     def cancel(self, request_id: str, timeout: float | None = 10.0) -> None:
         self._unary(self.stub.Cancel, pb.CancelRequest(request_id=request_id), timeout, request_id)
 
     def tokenize(self, text: str | None = None, messages=None, *, model: str = "",
                  timeout: float | None = 30.0) -> list[int]:
-        request = pb.TokenizeRequest(model=model, text=text or "", messages=_messages(messages))
+        request = pb.TokenizeRequest(model=model, text=text or "", messages=messages_of(messages))
         reply, _ = self._unary(self.stub.Tokenize, request, timeout)
         return list(reply.token_ids)
 
@@ -331,7 +294,7 @@ class AsyncClient:
         import asyncio
         request = build_request(prompt, messages, **params)
         deadline = None if timeout is None else time.monotonic() + timeout
-        cursor, attempt, call = ResumeCursor(), 0, None
+        cursor, attempt, call = ResumeCursor(request.n or 1), 0, None
         try:
             while not cursor.finished:
                 try:
@@ -362,15 +325,14 @@ class AsyncClient:
                        **params) -> Completion:
         request = build_request(prompt, messages, **params)
         reply = await self._unary(self.stub.Complete, request, timeout, request.request_id)
-        return Completion(reply.request_id, reply.text, tuple(reply.token_ids),
-                          FINISH_REASONS.get(reply.finish_reason), Usage.from_pb(reply.usage))
+        return to_completion(reply)
 
     async def cancel(self, request_id: str, timeout: float | None = 10.0) -> None:
         await self._unary(self.stub.Cancel, pb.CancelRequest(request_id=request_id), timeout, request_id)
 
     async def tokenize(self, text: str | None = None, messages=None, *, model: str = "",
                        timeout: float | None = 30.0) -> list[int]:
-        request = pb.TokenizeRequest(model=model, text=text or "", messages=_messages(messages))
+        request = pb.TokenizeRequest(model=model, text=text or "", messages=messages_of(messages))
         return list((await self._unary(self.stub.Tokenize, request, timeout)).token_ids)
 
     async def list_models(self, timeout: float | None = 10.0) -> list[Model]:

@@ -11,6 +11,7 @@ runs on Redis Cluster:
     llmserve:{m:<model>:<k>}:...             the same four, for queue shard k >= 1
     llmserve:{r:<tenant>:<id>}:events        per-request token-event stream (TTL)
     llmserve:{r:<tenant>:<id>}:cancel        exists once the request is cancelled
+    llmserve:{r:<tenant>:<id>}:cancel:<i>    exists once choice i (n > 1) ended at the gateway
     llmserve:{r:<tenant>:<id>}:meta          hash: owner, created, state (TTL, renewed by event writes)
     llmserve:{r:<tenant>:<id>}:epoch         hash: issued, fence (fencing tokens, see llmserve/fencing.py)
     llmserve:{t:<tenant>}:rate|tokens|leases per-tenant quota state
@@ -81,6 +82,12 @@ def events_stream(tenant: str, request_id: str) -> str:
 
 def cancel_key(tenant: str, request_id: str) -> str:
     return f"{PREFIX}:{{r:{request_uid(tenant, request_id)}}}:cancel"
+
+
+def choice_cancel_key(cancel_key: str, choice: int) -> str:
+    """Of the request with `cancel_key`: exists once its choice `choice` ended at the gateway (a stop
+    string) while other choices run on; the worker then stops that choice (same hash tag)."""
+    return f"{cancel_key}:{choice}"
 
 
 def request_meta(tenant: str, request_id: str) -> str:

@@ -67,6 +67,32 @@ def test_quota_reserves_each_choice_and_refunds_the_unused(inference, valkey_cli
     assert reserved - refunded == 3 * prompt + reply.usage.completion_tokens
 
 
+def _worker_final(valkey_client, request_id: str, choice: int):
+    """The worker's final event of one choice (None until written): index + its tokens = what it generated."""
+    events = [queue.decode_event(f) for _, f in valkey_client.xrange(keys.events_stream("dev", request_id))]
+    return next((e for e in events if e.choice_index == choice and e.final), None)
+
+
+def test_a_choice_ended_by_a_stop_string_stops_generating(inference, auth_metadata, valkey_client):
+    max_new = 192
+    free = inference.Complete(seeded(2, "Describe a city.", max_new=max_new), metadata=auth_metadata, timeout=300)
+    first, second = (c.text for c in free.choices)
+    # a stop string early in choice 0 that choice 1 never writes: choice 0 stops, choice 1 runs on
+    stop = next(first[k:k + 6] for k in range(4, len(first) - 6) if first[k:k + 6] not in second)
+    request = seeded(2, "Describe a city.", f"n-stop-{uuid.uuid4().hex[:8]}", max_new=max_new)
+    request.sampling.stop.append(stop)
+    reply = inference.Complete(request, metadata=auth_metadata, timeout=300)
+    stopped, running = reply.choices
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP and stopped.text == first[:first.index(stop)]
+    assert running.finish_reason == pb.FINISH_REASON_LENGTH and len(running.token_ids) == max_new
+    assert reply.usage.completion_tokens == len(stopped.token_ids) + max_new     # only what was taken
+    assert wait_until(lambda: _worker_final(valkey_client, request.request_id, 0) is not None)
+    final = _worker_final(valkey_client, request.request_id, 0)
+    # the worker ended choice 0 on the gateway's word, long before max_new_tokens
+    assert final.finish_reason == pb.FINISH_REASON_CANCELLED
+    assert final.index + len(final.token_ids) < max_new
+
+
 def test_generate_stream_names_each_choice_and_cancel_ends_them_all(inference, auth_metadata):
     request_id = f"n-cancel-{uuid.uuid4().hex[:8]}"
     stream = inference.Generate(seeded(3, "Write a very long essay.", request_id, max_new=2000),

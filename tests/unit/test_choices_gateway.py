@@ -62,3 +62,16 @@ def test_a_final_event_the_batcher_wrote_ends_every_choice(tokenizer):
     builder = choices.ChoicesBuilder("r", tokenizer, [], 3)
     chunk = builder.feed(queue_pb2.TokenEvent(index=0, final=True, finish_reason=pb.FINISH_REASON_CANCELLED))
     assert chunk.finish_reason == pb.FINISH_REASON_CANCELLED and builder.done
+
+
+def test_a_choice_ended_by_a_stop_string_while_others_run_is_told_to_the_worker(tokenizer):
+    ids = tokenizer.encode("one two three", add_special_tokens=False).ids
+    builder = choices.ChoicesBuilder("r", tokenizer, [" two"], 2)
+    running = queue_pb2.TokenEvent(dispatch_epoch=1, choice_index=1, index=0, token_ids=ids[:1])
+    assert not builder.ended_alone(builder.feed(running), running)
+    stopping = queue_pb2.TokenEvent(dispatch_epoch=1, choice_index=0, index=0, token_ids=ids)
+    chunk = builder.feed(stopping)
+    assert chunk.finish_reason == pb.FINISH_REASON_STOP and builder.ended_alone(chunk, stopping)
+    last = queue_pb2.TokenEvent(dispatch_epoch=1, choice_index=1, index=1, token_ids=ids[1:])
+    chunk = builder.feed(last)                 # the last choice to stop ends the request: no choice key
+    assert builder.done and not builder.ended_alone(chunk, last)

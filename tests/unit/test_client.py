@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from llmserve.client import Chunk, ResumeCursor, RetryPolicy, StreamEnded, build_request, to_chunk
+from llmserve.client_results import to_completion
 from llmserve.errors import InvalidArgument, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 
@@ -85,3 +86,59 @@ def test_to_chunk_types():
     chunk = to_chunk(r)
     assert chunk == Chunk("r", "<4>", (4, 5), 4, "length", chunk.usage) and chunk.usage.completion_tokens == 6
     assert to_chunk(resp(0, 1)).usage is None and to_chunk(resp(0, 1)).finish_reason is None
+
+
+def test_cursor_of_n_choices_resumes_from_the_lowest_open_choice_and_drops_repeats():
+    cursor = ResumeCursor(2)
+    a0, b0, a1 = resp(0, 3), resp(0, 1), resp(3, 2)
+    b0.choice_index = 1
+    assert [cursor.accept(r) for r in (a0, b0, a1)] == [True, True, True]
+    assert cursor.metadata() == (("x-resume-from", "1"),)      # choice 1 needs index 1 on
+    # the gateway sends every choice's chunks from index 1: choice 0's repeats are dropped
+    a_again, b1, a_end = resp(3, 2), resp(1, 2, final=True), resp(5, 0, final=True)
+    b1.choice_index = 1
+    assert [cursor.accept(r) for r in (a_again, b1)] == [False, True]
+    assert not cursor.finished and cursor.metadata() == (("x-resume-from", "5"),)
+    assert cursor.accept(a_end) and cursor.finished
+    stray = resp(0, 1)
+    stray.choice_index = 7
+    assert not cursor.accept(stray)
+
+
+def test_build_request_takes_tools_choices_and_history_in_openai_shape():
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"},
+                                                "strict": True}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    r = build_request(messages=[{"role": "user", "content": "Paris?"},
+                                {"role": "assistant", "content": None, "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}],
+                      tools=[weather, {"name": "get_time"}], tool_choice="required", parallel_tool_calls=False,
+                      n=3, logprobs=True, top_logprobs=2)
+    assert [(t.name, t.parameters_json_schema, t.strict) for t in r.tools] == \
+        [("get_weather", '{"type": "object"}', True), ("get_time", "", False)]
+    assert r.tool_choice.WhichOneof("kind") == "required" and r.HasField("parallel_tool_calls")
+    assert not r.parallel_tool_calls and r.n == 3 and r.sampling.logprobs and r.sampling.top_logprobs == 2
+    assert list(r.messages[1].tool_calls) == [pb.ToolCall(id="call_1", name="get_weather",
+                                                          arguments_json='{"city": "Paris"}')]
+    assert (r.messages[1].content, r.messages[2].tool_call_id) == ("", "call_1")
+    assert build_request("p", tool_choice="get_time").tool_choice.function_name == "get_time"
+    named = build_request("p", tool_choice={"type": "function", "function": {"name": "f"}})
+    assert named.tool_choice.function_name == "f" and not build_request("p").HasField("tool_choice")
+    assert not build_request("p").HasField("parallel_tool_calls") and build_request("p").n == 0
+
+
+def test_completion_puts_choice_0_on_top_and_gives_back_its_assistant_turn():
+    call = pb.ToolCall(id="call_1", name="f", arguments_json='{"a": 1}')
+    reply = pb.CompleteResponse(request_id="r", usage=pb.Usage(completion_tokens=4), choices=[
+        pb.CompleteChoice(choice_index=0, text="", token_ids=[1, 2], finish_reason=pb.FINISH_REASON_TOOL_CALLS,
+                          tool_calls=[call], logprobs=[pb.TokenLogprob(token_id=1, token="x", logprob=-0.5,
+                                                                       top=[pb.TopLogprob(token_id=1, logprob=-0.5)])]),
+        pb.CompleteChoice(choice_index=1, text="hi", token_ids=[3, 4], finish_reason=pb.FINISH_REASON_STOP)])
+    done = to_completion(reply)
+    assert (done.finish_reason, done.token_ids, [c.index for c in done.choices]) == ("tool_calls", (1, 2), [0, 1])
+    assert done.tool_calls[0].parsed_arguments() == {"a": 1} and done.logprobs[0].top[0].logprob == -0.5
+    assert done.as_message() == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    assert done.choices[1].as_message() == {"role": "assistant", "content": "hi"}
+    single = to_completion(pb.CompleteResponse(request_id="r", text="t", finish_reason=pb.FINISH_REASON_LENGTH))
+    assert [(c.index, c.text, c.finish_reason) for c in single.choices] == [(0, "t", "length")]

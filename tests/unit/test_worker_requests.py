@@ -22,3 +22,12 @@ def test_handed_back_item_keeps_its_salt_next_to_the_tokens_produced():
     assert (item.cache_salt, list(item.generated_token_ids)) == ("tenant:acme", [7])
     again = Tracked.from_item(queue_pb2.WorkItem.FromString(item.SerializeToString()), "2-0")
     assert again.seq.cache_salt == "tenant:acme" and again.seq.token_ids[-1] == 7
+
+
+def test_each_choice_also_stops_on_its_own_cancel_key():
+    item = make_item("")
+    item.cancel_key = "llmserve:{r:t:x}:cancel"
+    assert [t.cancel_keys for t in Tracked.choices_of(item, "1-0")] == [("llmserve:{r:t:x}:cancel",)]
+    item.n = 2
+    assert [t.cancel_keys[1] for t in Tracked.choices_of(item, "1-0")] == \
+        ["llmserve:{r:t:x}:cancel:0", "llmserve:{r:t:x}:cancel:1"]
