@@ -25,6 +25,15 @@ wholly before the window of the next token (vLLM's SlidingWindowManager.remove_s
       full group     b0 b1 b2 b3
       window group   -- b5 b6 b7        block 0 (tokens 0-3) released, entry NULL
 
+and takes blocks only for the tokens one step can compute (`max_step_tokens`, the scheduler's token
+budget), not for the whole context: a prompt longer than the window is prefilled chunk by chunk with
+at most window + one chunk of blocks in a window group, freed behind as the chunks advance:
+
+    window 6, block 4, step budget 8, a 20-token prompt
+      admitted      full  b0 b1 b2 b3 b4    window  b5 b6              (tokens 0-7)
+      after 8       full  b0 b1 b2 b3 b4    window  b5 b6 b7 b8        (next chunk 8-15)
+      after 16      full  b0 b1 b2 b3 b4    window  -- -- b7 b8 b9     (16 sees 11 ..: 0-7 given back)
+
 A released block keeps its hash (evictable, like any freed block), so a later prompt with the same
 prefix can still hit it. A prefix hit of n blocks needs the first n blocks in every full group and,
 in a window group, only the blocks the window of token n * block_size reaches.
@@ -84,15 +93,20 @@ class BlockManager:
         block_size: tokens per block.
         enable_prefix_caching: reuse computed full blocks across sequences.
         windows: per KV group, its sliding window (None: full attention); KVLayout.windows.
+        max_step_tokens: the most tokens one step computes for a sequence (the scheduler's token
+            budget): a window group holds blocks only that far past the computed tokens. None: every
+            group takes blocks for the whole context.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: tuple[int | None, ...] = (None,)) -> None:
+                 windows: tuple[int | None, ...] = (None,), max_step_tokens: int | None = None) -> None:
         assert num_blocks > 0 and block_size > 0 and windows
+        assert max_step_tokens is None or max_step_tokens > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = windows
+        self.max_step_tokens = max_step_tokens
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()   # oldest first
@@ -129,10 +143,17 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks a context of `num_tokens` takes when admitted with no prefix hit (every group)."""
-        return len(self.windows) * self._blocks_for(num_tokens)
+        return sum(self._table_end(group, 0, num_tokens) for group in range(len(self.windows)))
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _table_end(self, group: int, num_computed: int, num_tokens: int) -> int:
+        """How many entries `group`'s table needs for the next step from `num_computed` of `num_tokens`:
+        all of the context in a full group, only what one step can reach in a window group."""
+        if self.windows[group] is None or self.max_step_tokens is None:
+            return self._blocks_for(num_tokens)
+        return self._blocks_for(min(num_tokens, num_computed + self.max_step_tokens))
 
     def _first_needed(self, group: int, num_computed: int) -> int:
         """The first block of `group` the token at position `num_computed` attends to."""
@@ -190,23 +211,23 @@ class BlockManager:
         return [NULL] * lo + [self._key_to_block[(group, h)] for h in hashes[lo:]]
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Whether blocks for the whole current context of `seq` are available."""
+        """Whether blocks for the current context of `seq` are available (a window group: its first step's)."""
         n, hashes = self._prefix_hits(seq)
         hits = [b for g in range(len(self.windows)) for b in self._hit_blocks(g, hashes) if b != NULL]
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        fresh = len(self.windows) * (self._blocks_for(seq.num_tokens) - n)
+        fresh = sum(self._table_end(g, n * self.block_size, seq.num_tokens) - n for g in range(len(self.windows)))
         return fresh + revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> Allocation:
-        """Give `seq` blocks for its whole context, reusing cached prefix blocks."""
+        """Give `seq` blocks for its context (a window group: its first step's), reusing cached prefix blocks."""
         assert seq.seq_id not in self._tables, f"sequence {seq.seq_id} already has blocks"
         assert self.can_allocate(seq), "allocate() without can_allocate()"
         n, hashes = self._prefix_hits(seq)
         tables = [self._hit_blocks(group, hashes) for group in range(len(self.windows))]
         for block_id in (b for table in tables for b in table if b != NULL):
             self._acquire(block_id)   # every group's hits before any fresh block can evict one of them
-        for table in tables:
-            table += [self._take_free() for _ in range(self._blocks_for(seq.num_tokens) - n)]
+        for group, table in enumerate(tables):
+            table += [self._take_free() for _ in range(self._table_end(group, n * self.block_size, seq.num_tokens) - n)]
         self._touch(hashes)
         self._tables[seq.seq_id] = tables
         self._hashes[seq.seq_id] = hashes
@@ -222,24 +243,29 @@ class BlockManager:
         index = seq.num_computed_tokens // self.block_size
         return index < len(table) and self.blocks[table[index]].ref_count > 1
 
+    def _missing(self, group: int, table: list[int], seq: Sequence) -> int:
+        """Entries `table` lacks for the next step of `seq`."""
+        return max(0, self._table_end(group, seq.num_computed_tokens, seq.num_tokens) - len(table))
+
     def can_append(self, seq: Sequence) -> bool:
-        needed = sum(self._blocks_for(seq.num_tokens) - len(t) + int(self._cow_needed(t, seq))
-                     for t in self._tables[seq.seq_id])
+        needed = sum(self._missing(g, t, seq) + int(self._cow_needed(t, seq))
+                     for g, t in enumerate(self._tables[seq.seq_id]))
         return needed <= self.num_free_blocks
 
     def append_slot(self, seq: Sequence) -> AppendResult:
-        """Make room for every uncomputed token of `seq` (normally the one just sampled)."""
+        """Make room for the uncomputed tokens of `seq` the next step can compute (normally the one just
+        sampled; a window group: at most max_step_tokens of a prompt's next chunk)."""
         assert self.can_append(seq), "append_slot() without can_append()"
         new: list[int] = []
         cow: list[tuple[int, int]] = []
-        for table in self._tables[seq.seq_id]:
+        for group, table in enumerate(self._tables[seq.seq_id]):
             if self._cow_needed(table, seq):
                 index = seq.num_computed_tokens // self.block_size
                 src, dst = table[index], self._take_free()
                 self._release(src)
                 table[index] = dst
                 cow.append((src, dst))
-            fresh = [self._take_free() for _ in range(self._blocks_for(seq.num_tokens) - len(table))]
+            fresh = [self._take_free() for _ in range(self._missing(group, table, seq))]
             table.extend(fresh)
             new += fresh
         return AppendResult(new, cow)

@@ -76,7 +76,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, kv_cache)
         self.context_length: int = model.config.context_length
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          kv_cache.layout.windows)
+                                          kv_cache.layout.windows, config.max_num_batched_tokens)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.priority_preemption, config.aging_steps,
                                                    config.fair_tokens),

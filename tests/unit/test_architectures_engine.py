@@ -1,13 +1,14 @@
 """The engine's guarantees hold for every architecture, not only Llama: batching and chunked prefill,
 prefix-cache hits, preemption by recompute and handoff give the same tokens as an undisturbed run,
 for tiny random checkpoints of each (tests/unit/tiny_models.py), with windowed layers (window 4, block
-size 4) and soft-capping, on prepacked fp32 and int4 weights."""
+size 4) and soft-capping, on prepacked fp32 and int4 weights; a windowed group never holds more than its
+window and one step's chunk, prefill included."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import VOCAB, make_hf_dir
+from tiny_models import VOCAB, make_hf_dir, transformers_logits
 
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
@@ -71,10 +72,11 @@ def test_batched_and_chunked_equals_each_alone(model):
     assert all(len(out) == 10 for out in alone)
 
 
-def test_prefix_cache_hit_gives_identical_output(model):
+@pytest.mark.parametrize("budget", [512, 4], ids=["whole", "chunked"])
+def test_prefix_cache_hit_gives_identical_output(model, budget):
     shared = prompts(1, seed=5)[0] * 3  # 15 tokens: 3 full blocks of 4, longer than the window
     miss = make_engine(model, caching=False).generate([shared + [7, 8]], [GREEDY])[0]
-    engine = make_engine(model)
+    engine = make_engine(model, budget=budget)
     engine.generate([shared + [1, 2, 3]], [GREEDY])
     seq = run(engine, Sequence(shared + [7, 8], GREEDY))
     assert (seq.num_cached_prompt_tokens, seq.output_token_ids) == (12, miss)
@@ -93,6 +95,11 @@ def test_preemption_and_handoff_resume_with_the_same_output(model):
         assert tight.scheduler.num_preemptions > 0
     seq = run(make_engine(model), Sequence(ps[0], sampled[0], prior_output_ids=roomy[0][:6]))  # another worker's 6
     assert roomy[0][:6] + seq.output_token_ids == roomy[0]
+    chunked = make_engine(model, num_blocks=tight_blocks, budget=4)   # chunked prefills, preempted mid-prompt too
+    assert chunked.generate(ps, sampled) == roomy
+    assert chunked.block_manager.num_free_blocks == tight_blocks
+    if None in kv_layout(model.config).windows:
+        assert chunked.scheduler.num_preemptions > 0
 
 
 def test_sliding_layers_hold_no_more_blocks_than_their_window(model):
@@ -120,3 +127,39 @@ def test_sliding_layers_hold_no_more_blocks_than_their_window(model):
     assert max(held) <= -(-WINDOW // BLOCK) + 1
     assert engine.block_manager.num_free_blocks == 64
     assert seq.output_token_ids == keep_all.generate([prompt], [params])[0]
+
+
+def test_a_chunked_prefill_past_the_window_holds_window_plus_one_chunk(model, checkpoints):
+    """A 40-token prompt (10 blocks; window 4) prefilled in chunks of 4 in a cache that holds the whole
+    context in the full groups but only window + one chunk in each windowed group (not the prompt
+    in every group: that would not fit): no preemption, every windowed group of the sequence holds
+    at most ceil((window - 1 + chunk) / block) + 1 blocks after each step, and the greedy tokens equal
+    those of a cache keeping every block and, unquantized, transformers' argmax over the same ids."""
+    layout = kv_layout(model.config)
+    windowed = [g for g, w in enumerate(layout.windows) if w is not None]
+    if not windowed:
+        pytest.skip("no sliding-window layers")
+    chunk, prompt = 4, prompts(1, seed=11)[0] * 8  # 40 tokens
+    params = SamplingParams(temperature=0.0, max_new_tokens=4)
+    span = -(-(WINDOW - 1 + chunk) // BLOCK) + 1
+    full_groups = len(layout.windows) - len(windowed)
+    num_blocks = full_groups * -(-(len(prompt) + 4) // BLOCK) + len(windowed) * span
+    assert num_blocks < len(layout.windows) * -(-len(prompt) // BLOCK)  # the old admission would not fit
+    engine = make_engine(model, num_blocks=num_blocks, budget=chunk, caching=False)
+    seq = Sequence(prompt, params)
+    engine.add(seq)
+    held = []
+    while engine.has_work():
+        engine.step()
+        if engine.block_manager.has_blocks(seq):
+            held.append(max(engine.block_manager.num_held_blocks(seq, g) for g in windowed))
+    assert (seq.failure, engine.scheduler.num_preemptions, len(seq.output_token_ids)) == (None, 0, 4)
+    assert len(held) == len(prompt) // chunk + 2 and max(held) <= span
+    config = EngineConfig(num_blocks=64, block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=512)
+    keep_all = LLMEngine(model, KVCache.allocate(model.config, 64, BLOCK, torch.float32, "cpu",
+                                                 KVLayout.single(model.config.num_layers)), config)
+    assert seq.output_token_ids == keep_all.generate([prompt], [params])[0]
+    if model.weight_format == "f32":
+        arch = model.config.architecture
+        logits = transformers_logits(checkpoints[arch], prompt + seq.output_token_ids[:-1])
+        assert logits[len(prompt) - 1:].argmax(-1).tolist() == seq.output_token_ids

@@ -289,3 +289,54 @@ def test_fork_and_copy_on_write_cover_every_group():
     m.fork(parent, child)
     child.append_token(9)
     assert m.append_slot(child).copy_on_write == [(1, 4), (3, 5)]
+
+
+# -- a window group takes blocks one step ahead only: a long prompt's chunks stay within window + chunk ------
+def step(manager: BlockManager, seq: Sequence, tokens: int) -> None:
+    """Pretend a forward computed the next `tokens` of seq, then make room for its next step."""
+    seq.num_computed_tokens += tokens
+    manager.cache_computed_blocks(seq)
+    if seq.num_uncomputed:
+        manager.append_slot(seq)
+
+
+def test_a_window_group_prefills_chunk_by_chunk_within_window_plus_one_chunk():
+    m = BlockManager(16, BS, windows=(None, 6), max_step_tokens=8)
+    seq = make_seq(range(20))
+    assert m.blocks_needed(20) == 7                   # full 5, window 2 (tokens 0-7), not 2 x 5
+    assert m.allocate(seq).block_ids == [0, 1, 2, 3, 4]
+    assert (m.block_table(seq, 1), m.num_free_blocks) == ([5, 6], 9)
+    step(m, seq, 8)                                   # 8 sees 3 ..: nothing to give back; room for 8-15
+    assert m.block_table(seq, 1) == [5, 6, 7, 8]
+    step(m, seq, 8)                                   # 16 sees 11 ..: tokens 0-7 given back; room for 16-19
+    assert (m.block_table(seq, 1), m.num_held_blocks(seq, 1)) == ([0, 0, 7, 8, 9], 3)
+    step(m, seq, 4)
+    assert (m.num_held_blocks(seq, 1), m.num_free_blocks) == (2, 16 - 7)
+    m.free(seq)
+    assert m.num_free_blocks == 16
+
+
+def test_a_long_prompt_fits_a_pool_smaller_than_its_context_in_every_group():
+    m = BlockManager(9, BS, windows=(None, 6), max_step_tokens=8)   # peak: full 5 + window 4
+    seq = make_seq(range(20))
+    assert m.can_allocate(seq) and not BlockManager(9, BS, windows=(None, 6)).can_allocate(seq)
+    m.allocate(seq)
+    step(m, seq, 8)
+    assert m.num_free_blocks == 0
+    step(m, seq, 8)                                   # gives back 2 before taking 1
+    assert m.num_free_blocks == 1
+    step(m, seq, 4)
+    assert m.num_free_blocks == 2
+
+
+def test_a_chunked_prefix_hit_takes_the_window_blocks_and_one_step_ahead():
+    m = BlockManager(32, BS, windows=(None, 6), max_step_tokens=4)
+    a = make_seq(range(20))
+    m.allocate(a)
+    for _ in range(5):
+        step(m, a, 4)
+    m.free(a)
+    b = make_seq([*range(20), *range(100, 112)])     # 5 blocks shared; token 20 sees 15 ..: window blocks 3, 4
+    assert m.allocate(b).num_cached_tokens == 20
+    assert m.block_table(b, 1)[:3] == [0, 0, 0]
+    assert [m.num_held_blocks(b, g) for g in (0, 1)] == [8, 3]   # full: the context; window: 3, 4 + tokens 20-23
