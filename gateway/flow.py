@@ -33,6 +33,7 @@ from gateway.calls import REMAINING_REQUESTS, ratelimit_headers, rejection
 from gateway.config import GatewaySettings
 from gateway.model_router import Router
 from gateway.quota import Limits, Quota
+from gateway.request_record import RequestRecord
 from gateway.request_state import Call, Meta, StreamOutcome
 from gateway.response_format import FormatCompiler
 from gateway.shedding import Shedder
@@ -51,15 +52,6 @@ from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
 
-# KEYS: [1] request meta  [2] events stream  [3] cancel key  ARGV: [1] owner  [2] ttl s
-# Returns 1 when claimed, 0 when the request_id is taken. One script: the meta never exists
-# without its TTL, and leftovers of an expired earlier request with this id cannot leak into this one.
-_CLAIM = """
-if redis.call('HSETNX', KEYS[1], 'owner', ARGV[1]) == 0 then return 0 end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('DEL', KEYS[2], KEYS[3])
-return 1
-"""
 
 
 
@@ -111,10 +103,10 @@ class Flow:
                 yield chunk
 
     async def _meta(self, call: Call) -> Meta | None:
-        raw = cast(dict[bytes, bytes], await self.redis.hgetall(keys.request_meta(call.tenant.id, call.request_id)))
-        if not raw or raw.get(b"owner", b"").decode() != call.tenant.id or b"enqueued_ms" not in raw:
-            return None
-        return Meta.from_redis(raw)
+        return await self._record(call).read()
+
+    def _record(self, call: Call) -> RequestRecord:
+        return RequestRecord(self.redis, call.tenant.id, call.request_id)
 
     # -- admission -----------------------------------------------------------------------------------------
     def model_for(self, call: Call, request) -> ModelInfo:
@@ -205,11 +197,7 @@ class Flow:
 
     async def _claim(self, call: Call, meta: Meta) -> bool:
         """Make this gateway the request's creator; False when the same request_id was claimed first."""
-        tenant, request_id = call.tenant.id, call.request_id
-        claimed = await self.redis.eval(_CLAIM, 3, keys.request_meta(tenant, request_id),
-                                        keys.events_stream(tenant, request_id), keys.cancel_key(tenant, request_id),
-                                        tenant, self.settings.events_ttl_s)
-        return bool(claimed)
+        return await self._record(call).claim(self.settings.events_ttl_s)
 
     def _work_item(self, call: Call, meta: Meta, prompt_ids: list[int], sampling: queue_pb2.ResolvedSampling,
                    priority: int) -> queue_pb2.WorkItem:
@@ -226,16 +214,16 @@ class Flow:
             slo_tpot_ms=call.slo.targets.tpot_ms if call.slo else 0)
 
     async def _enqueue(self, call: Call, meta: Meta, item: queue_pb2.WorkItem) -> None:
-        key = keys.request_meta(call.tenant.id, call.request_id)
+        record = self._record(call)
         shard = await self.cells.choose(meta.model, keys.request_uid(call.tenant.id, call.request_id))
         meta.work_key = keys.work_stream(meta.model, item.priority, shard)
         try:
-            await self.redis.hset(key, mapping=meta.to_redis())
+            await record.write(meta)
             entry_id = await self.redis.xadd(meta.work_key, queue.item_entry(item))
             meta.entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            await self.redis.hset(key, "entry_id", meta.entry_id)
+            await record.set_entry(meta.entry_id)
         except Exception:
-            await self.redis.delete(key)
+            await record.delete()
             await self.quota.release(limits_of(call.tenant), call.request_id, 0)
             raise
 
@@ -289,15 +277,15 @@ class Flow:
         """Count this viewer. The only viewer of a request that still holds its lease carries that
         lease on (None); any other (a second viewer, a replay of a finished request) takes a lease
         of its own, or the attach is RESOURCE_EXHAUSTED at the tenant's max_concurrent."""
-        meta_key = keys.request_meta(call.tenant.id, call.request_id)
-        viewers = int(await self.redis.hincrby(meta_key, "viewers", 1))
+        record = self._record(call)
+        viewers = await record.add_viewer(1)
         if viewers == 1 and await self.quota.holds(call.tenant.id, call.request_id):
             return None
         try:
             return await ViewerLease.take(self.quota, limits_of(call.tenant), call.request_id,
                                           self.settings.lease_ttl_s)
         except BaseException:
-            await self.redis.hincrby(meta_key, "viewers", -1)
+            await record.add_viewer(-1)
             raise
 
     async def _events(self, call: Call, watch: Watch,
@@ -327,25 +315,24 @@ class Flow:
 
     async def _finish(self, call: Call, meta: Meta, builder: choices.ChoicesBuilder, outcome: StreamOutcome,
                       failure: str = "", lease: ViewerLease | None = None) -> None:
-        meta_key = keys.request_meta(call.tenant.id, call.request_id)
+        record = self._record(call)
         used = meta.prompt_tokens * meta.n + builder.next_index
         try:
             if lease is not None:  # this viewer's own slot frees as it leaves
                 await lease.drop()
             if failure:
-                await self.redis.hset(meta_key, "error", failure)
-            viewers = int(await self.redis.hincrby(meta_key, "viewers", -1))
+                await record.fail(failure)
+            viewers = await record.add_viewer(-1)
             if outcome is StreamOutcome.DETACHED:
                 await asyncio.sleep(self.settings.detach_grace_s)
-                if int(await self.redis.hget(meta_key, "viewers") or 0) > 0 or \
-                        await self.redis.hget(meta_key, "done"):
+                if await record.carried_on():
                     return  # a resumed viewer carries on and will release
                 logger.info("client gone; cancelling", viewers=viewers)
             if outcome.cancels_the_request:
                 await self.cancel(call.tenant.id, call.request_id)
             else:
-                await self.redis.hset(meta_key, "done", "1")
-            await self.redis.expire(meta_key, self.settings.events_ttl_s)  # outlive the events stream
+                await record.mark_done()
+            await record.keep_for(self.settings.events_ttl_s)  # outlive the events stream
             await self.quota.release(limits_of(call.tenant), call.request_id, used)
         except Exception as exc:  # noqa: BLE001 - background cleanup; the lease TTL is the backstop
             logger.warning("cleanup failed; lease will expire", error=repr(exc))
@@ -355,13 +342,12 @@ class Flow:
         ttl = self.settings.events_ttl_s
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(keys.cancel_key(tenant, request_id), "1", ex=ttl)
-            pipe.hset(keys.request_meta(tenant, request_id), "done", "1")
+            RequestRecord(self.redis, tenant, request_id).mark_done_in(pipe)
             await pipe.execute()
 
     async def cancel_owned(self, tenant: str, request_id: str) -> None:
         """The Cancel RPC: only a request of this tenant; anything else is NOT_FOUND."""
-        owner = cast(bytes | None, await self.redis.hget(keys.request_meta(tenant, request_id), "owner"))
-        if owner is None or owner.decode() != tenant:
+        if await RequestRecord(self.redis, tenant, request_id).owner() != tenant:
             raise NotFound(f"no request {request_id!r}")
         await self.redis.set(keys.cancel_key(tenant, request_id), "1", ex=self.settings.events_ttl_s)
 

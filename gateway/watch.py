@@ -11,6 +11,7 @@ from gateway.config import GatewaySettings
 from gateway.quota import Quota
 from gateway.request_state import Call, Meta
 from llmserve import keys, redis_client
+from llmserve.clock import now_ms_precise
 from llmserve.errors import DeadlineExceeded, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
@@ -20,10 +21,6 @@ _MAX_BLOCK_MS = 500
 
 class QueueWaitExceeded(Unavailable):
     """No worker took the request within max_queue_wait_s (recorded, so a resume fails the same way)."""
-
-
-def _now_ms() -> float:
-    return time.time() * 1000
 
 
 class Watch:
@@ -61,7 +58,7 @@ class Watch:
         if self.call.deadline is not None and now >= self.call.deadline:
             raise DeadlineExceeded("deadline exceeded while generating")
         if self.first_event is None and not self.dispatched and \
-                _now_ms() - self.meta.enqueued_ms > self.settings.max_queue_wait_s * 1000:
+                now_ms_precise() - self.meta.enqueued_ms > self.settings.max_queue_wait_s * 1000:
             await self._check_still_queued()
         if now >= self.next_renew_s:
             self.next_renew_s = now + self.settings.lease_ttl_s / 3
@@ -91,17 +88,17 @@ class Watch:
     def observe_chunk(self, chunk: pb.GenerateResponse, model: str, builder: ChoicesBuilder) -> None:
         now_s = time.monotonic()
         if chunk.token_ids and self.first_token_ms is None:
-            self.first_token_ms = _now_ms()
+            self.first_token_ms = now_ms_precise()
             metrics.TTFT.labels(model).observe(max(0.0, self.first_token_ms - self.meta.arrival_ms) / 1000)
         elif chunk.token_ids and self.last_chunk_s is not None:
             metrics.INTER_TOKEN.labels(model).observe((now_s - self.last_chunk_s) / len(chunk.token_ids))
         if chunk.token_ids:
             self.last_chunk_s = now_s
         if builder.done:
-            metrics.E2E.labels(model).observe(max(0.0, _now_ms() - self.meta.arrival_ms) / 1000)
+            metrics.E2E.labels(model).observe(max(0.0, now_ms_precise() - self.meta.arrival_ms) / 1000)
 
     def usage(self, builder: ChoicesBuilder, meta: Meta) -> pb.Usage:
-        end = _now_ms()
+        end = now_ms_precise()
         first = self.first_event
         admitted = first.admitted_unix_ms if first is not None and first.admitted_unix_ms else 0
         ttft = (self.first_token_ms or end) - meta.arrival_ms

@@ -11,13 +11,11 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from llmserve import model_store
+from llmserve.stack import STATE_DIR
 from llmserve.valkey import FSYNC_POLICIES
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEV_API_KEY = "dev-key"  # the key of deploy/tenants.dev.yaml, for local use only
-# `up`'s state, under the directory it was started in: logs and port files (logs/), the Valkey
-# AOF (valkey/), and the Redis URL it started or was given (redis-url), for admin commands run there.
-STATE_DIR = Path(".llmserve")
 REDIS_URL_FILE = STATE_DIR / "redis-url"
 
 

@@ -9,3 +9,8 @@ import time
 def now_ms() -> int:
     """Unix time in whole milliseconds."""
     return int(time.time() * 1000)
+
+
+def now_ms_precise() -> float:
+    """Unix time in milliseconds with the fraction: a latency measured from a `now_ms()` stamp."""
+    return time.time() * 1000

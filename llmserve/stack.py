@@ -38,6 +38,9 @@ from llmserve.valkey import ValkeyServer
 logger = structlog.get_logger(__name__)
 
 # The directory llmserve was imported from (a checkout, site-packages, a `pip install --target` dir).
+# `up`'s state, under the directory it was started in: logs and port files (logs/), the Valkey
+# AOF (valkey/), and the Redis URL it started or was given (redis-url), for admin commands run there.
+STATE_DIR = Path(".llmserve")
 PACKAGE_ROOT = Path(llmserve.__file__).resolve().parent.parent
 DEFAULT_TENANTS = Path(llmserve.__file__).resolve().parent / "tenants.dev.yaml"   # ships in the wheel
 # LLMSERVE_* variables the children inherit: the model cache, and the queue cell count that

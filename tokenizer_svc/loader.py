@@ -3,8 +3,8 @@
     load_tokenizer(Path("SmolLM2-135M-Instruct.Q4_1.gguf"))   # tokenizer.ggml.* + chat template
     load_tokenizer(Path("some-hf-model/"))                    # tokenizer.json + tokenizer_config.json + config.json
 
-Both give a `ModelTokenizer`: exact token ids (the same as the model's own
-tokenizer.json under `tokenizers`/`transformers`), the chat template, EOS ids and
+Both give a `ModelTokenizer`: the model's vocabulary (llmserve/vocabulary.py, which the
+worker's grammar store loads too: exact token ids, special tokens, EOS ids), the chat template,
 the context length, and for the model catalog the architecture and weight format. A
 ModelTokenizer pickles as its JSON, so the service loads a model once and ships it to its pool processes cheaply.
 """
@@ -12,7 +12,7 @@ ModelTokenizer pickles as its JSON, so the service loads a model once and ships 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,8 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
+from llmserve.vocabulary import Vocabulary, gguf_fields, gguf_vocabulary, hf_vocabulary, read_json
 from tokenizer_svc import chat_template, tool_prompt
-from tokenizer_svc.gguf_vocab import build_tokenizer, read_vocab
 from tokenizer_svc.literal import LiteralSpecials, encode_ids
 
 
@@ -131,89 +131,32 @@ def load_tokenizer(path: Path) -> ModelTokenizer:
     return load_gguf(path)
 
 
+def _model_tokenizer(vocab: Vocabulary, **model: Any) -> ModelTokenizer:
+    return ModelTokenizer(tokenizer=vocab.tokenizer, bos_token=vocab.bos_token, eos_token=vocab.eos_token,
+                          eos_token_ids=list(vocab.eos_token_ids), extra_special_tokens=vocab.named_tokens, **model)
+
+
 # ---------------------------------------------------------------------------------------------- GGUF
-
-def gguf_fields(path: Path) -> dict[str, Any]:
-    """The GGUF key/value metadata as python values (tensors are not read)."""
-    from gguf import GGUFReader  # heavy import; only GGUF loading needs it
-
-    reader = GGUFReader(path)
-    return {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
-
 
 def load_gguf(path: Path) -> ModelTokenizer:
     fields = gguf_fields(path)
-    vocab = read_vocab(fields)
-    tokens = vocab.tokens
     meta = read_metadata(fields.get)
-    eos_ids = list(meta.eos_token_ids)
-    return ModelTokenizer(
-        tokenizer=build_tokenizer(vocab),
-        chat_template=fields.get("tokenizer.chat_template"),
-        bos_token=tokens[vocab.bos_id] if vocab.bos_id is not None else None,
-        eos_token=tokens[eos_ids[0]] if eos_ids else None,
-        eos_token_ids=eos_ids,
-        context_length=meta.context_length,
-        extra_special_tokens=_gguf_named_tokens(fields, tokens),
-        architecture=meta.architecture,
-        weight_format=meta.weight_format,
-    )
-
-
-def _gguf_named_tokens(fields: dict[str, Any], tokens: Sequence[str]) -> dict[str, str]:
-    named = {}
-    for name, key in _GGUF_NAMED_TOKENS.items():
-        value = fields.get(key)
-        if value is not None and 0 <= int(value) < len(tokens):
-            named[name] = tokens[int(value)]
-    return named
-
-
-_GGUF_NAMED_TOKENS = {
-    "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id",
-    "sep_token": "tokenizer.ggml.seperator_token_id", "cls_token": "tokenizer.ggml.cls_token_id",
-    "mask_token": "tokenizer.ggml.mask_token_id",
-}
+    return _model_tokenizer(gguf_vocabulary(fields), chat_template=fields.get("tokenizer.chat_template"),
+                            context_length=meta.context_length, architecture=meta.architecture,
+                            weight_format=meta.weight_format)
 
 
 # ------------------------------------------------------------------------------------ HF directory
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
-
-def _token_content(value: Any) -> str | None:
-    """tokenizer_config.json writes a token as "text" or {"content": "text", ...}."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
-
 
 def _hf_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.exists():
         return jinja_file.read_text(encoding="utf-8")
-    template = _read_json(directory / "chat_template.json").get("chat_template") or config.get("chat_template")
+    template = read_json(directory / "chat_template.json").get("chat_template") or config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         by_name = {t["name"]: t["template"] for t in template}
         return by_name.get("default") or next(iter(by_name.values()), None)
     return template
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
-
-
-def _hf_eos_ids(tokenizer: Tokenizer, eos_token: str | None, *configs: dict[str, Any]) -> list[int]:
-    ids: list[int] = []
-    eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
-    if eos_id is not None:
-        ids.append(eos_id)
-    for config in configs:
-        ids += [i for i in _as_id_list(config.get("eos_token_id")) if i not in ids]
-    return ids
 
 
 def _hf_context_length(model_config: dict[str, Any], tok_config: dict[str, Any]) -> int:
@@ -225,28 +168,13 @@ def _hf_context_length(model_config: dict[str, Any], tok_config: dict[str, Any])
 
 
 def load_hf_dir(directory: Path) -> ModelTokenizer:
-    tokenizer_file = directory / "tokenizer.json"
-    if not tokenizer_file.exists():
-        raise FileNotFoundError(f"{directory} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    tok_config = _read_json(directory / "tokenizer_config.json")
-    model_config = _read_json(directory / "config.json")
-    generation = _read_json(directory / "generation_config.json")
-    eos_token = _token_content(tok_config.get("eos_token"))
-    named = {name: _token_content(tok_config.get(name)) for name in ("unk_token", "pad_token", "sep_token",
-                                                                     "cls_token", "mask_token")}
-    extra = {name: content for name, content in named.items() if content}
-    return ModelTokenizer(
-        tokenizer=tokenizer,
-        chat_template=_hf_chat_template(directory, tok_config),
-        bos_token=_token_content(tok_config.get("bos_token")),
-        eos_token=eos_token,
-        eos_token_ids=_hf_eos_ids(tokenizer, eos_token, generation, model_config),
-        context_length=_hf_context_length(model_config, tok_config),
-        extra_special_tokens=extra,
-        architecture=model_config.get("model_type", ""),
-        weight_format=_hf_weight_format(model_config),
-    )
+    vocab = hf_vocabulary(directory)
+    tok_config = read_json(directory / "tokenizer_config.json")
+    model_config = read_json(directory / "config.json")
+    return _model_tokenizer(vocab, chat_template=_hf_chat_template(directory, tok_config),
+                            context_length=_hf_context_length(model_config, tok_config),
+                            architecture=model_config.get("model_type", ""),
+                            weight_format=_hf_weight_format(model_config))
 
 
 def _hf_weight_format(model_config: dict[str, Any]) -> str:

@@ -162,10 +162,10 @@ def _lltokenizer(tokenizer_json: str, eos_token_ids: Seq[int]) -> llguidance.LLT
 
 def _load_lltokenizer(spec: str) -> llguidance.LLTokenizer:
     from llmserve import model_store
-    from tokenizer_svc.loader import load_tokenizer  # the one loader of GGUF / HF vocabularies
+    from llmserve.vocabulary import load_vocabulary  # the one loader of GGUF / HF vocabularies
 
-    tokenizer = load_tokenizer(model_store.resolve(spec))
-    return _lltokenizer(tokenizer.to_json(), tokenizer.eos_token_ids)
+    vocab = load_vocabulary(model_store.resolve(spec))
+    return _lltokenizer(vocab.tokenizer.to_str(), vocab.eos_token_ids)
 
 
 def load_constraints(spec: str, vocab_size: int) -> Constraints:

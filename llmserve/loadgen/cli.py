@@ -18,13 +18,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from llmserve.cli import STATE_DIR
 from llmserve.loadgen import report, roofline
 from llmserve.loadgen.goodput import summarize_goodput
 from llmserve.loadgen.runner import RunSettings, run_closed, run_open
 from llmserve.loadgen.stats import RequestResult, summarize
 from llmserve.loadgen.workload import DistError, WorkloadConfig, build_workload, parse_dist, poisson_arrivals
 from llmserve.slo import Targets
+from llmserve.stack import STATE_DIR
 
 
 class UsageError(ValueError):

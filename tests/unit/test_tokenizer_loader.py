@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from llmserve.vocabulary import gguf_fields
 from tokenizer_svc.chat_template import ChatTemplateError
-from tokenizer_svc.loader import gguf_fields, load_tokenizer
+from tokenizer_svc.loader import load_tokenizer
 
 CORPUS = [
     "Hello, world!",
