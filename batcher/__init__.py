@@ -26,5 +26,5 @@ SIGTERM: stop reading, dispatch what is held while workers can admit it (--grace
 mark the rest idle so another replica claims it at once; exit 0.
 
 `tests/integration/queue_harness.py` is the other side of the contract (gateway enqueue,
-worker heartbeat/inbox) for tests and the bench; the wire format is `llmserve.queue`'s.
+worker heartbeat/inbox) for tests and the bench; the wire format is `llmserve.protocol.queue`'s.
 """

@@ -7,8 +7,8 @@ import sys
 
 from batcher.config import BatcherSettings
 from batcher.service import BatcherService
-from llmserve.log import configure_logging
-from llmserve.server import serve
+from llmserve.runtime.log import configure_logging
+from llmserve.runtime.server import serve
 
 DESCRIPTION = (
     "Reads the work streams of each model with consumer group 'batchers', forms batches "

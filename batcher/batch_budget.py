@@ -6,7 +6,7 @@ from batcher.config import BatchLimits
 from batcher.events import DropReason
 from batcher.fair_queue import Held
 from batcher.workers import Capacity, blocks_needed
-from llmserve.queue import is_expired
+from llmserve.protocol.queue import is_expired
 from llmserve.v1 import inference_pb2
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from llmserve.models_file import ModelsFileError, from_setting
-from llmserve.settings import CommonSettings, SettingsError, require, setting
+from llmserve.catalog.models_file import ModelsFileError, from_setting
+from llmserve.runtime.settings import CommonSettings, SettingsError, require, setting
 
 LIMIT_FIELDS = ("max_batch", "max_wait_ms", "prefill_token_budget")
 
@@ -38,7 +38,7 @@ FAIR_SHARES = ("tokens", "requests")
 @dataclass
 class BatcherSettings(CommonSettings):
     models: str = setting("smollm2-135m", "comma list of model ids to batch for, or @FILE: every model of a "
-                                          "models file (llmserve/models_file.py)")
+                                          "models file (llmserve/catalog/models_file.py)")
     max_batch: int = setting(32, "sequences per batch")
     max_wait_ms: float = setting(5.0, "longest an item waits for its batch to fill")
     prefill_token_budget: int = setting(8192, "prompt tokens per batch (a single larger prompt goes alone)")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from llmserve import queue, redis_client
-from llmserve.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from llmserve.protocol import queue
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from llmserve.v1 import inference_pb2, queue_pb2
 
 

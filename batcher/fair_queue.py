@@ -20,7 +20,7 @@ banks no credit. With `count_tokens` off (batcher --fair-share requests) every i
 costs 1 / weight: request round-robin, the baseline bench/scheduling.py compares with.
 
 Latency targets come first within a class (earliest deadline first): an item with a TTFT
-target has a next-token deadline (llmserve/slo.py); each tenant's queue is kept in deadline
+target has a next-token deadline (llmserve/protocol/slo.py); each tenant's queue is kept in deadline
 order (items without one after, in read order), and while any tenant's head has a deadline,
 the head with the earliest goes next, whatever the counters say. It is still charged, so a
 tenant whose work carries targets pays for it in the token share of the untargeted rest.
@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from llmserve import keys, slo
+from llmserve.protocol import keys, slo
 from llmserve.v1 import queue_pb2
 
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the batcher (served by llmserve.server on --metrics-port)."""
+"""Prometheus metrics of the batcher (served by llmserve.runtime.server on --metrics-port)."""
 
 from __future__ import annotations
 

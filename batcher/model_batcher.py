@@ -1,4 +1,4 @@
-"""The batching loop of one model's queue cell (llmserve/keys.py: cell 0 unless queue_shards > 1).
+"""The batching loop of one model's queue cell (llmserve/protocol/keys.py: cell 0 unless queue_shards > 1).
 
     XREADGROUP (3 priority streams) ─▶ FairQueue (held, still pending) ─▶ take(batch)
         ─▶ drop expired / cancelled (final event, ack) ─▶ pick worker (prefix, capacity)
@@ -33,8 +33,9 @@ from batcher.reclaimer import ReclaimContext, Reclaimer
 from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
-from llmserve import fencing, keys, queue, redis_client, tracing
-from llmserve.clock import now_ms
+from llmserve.protocol import fencing, keys, queue
+from llmserve.runtime import redis_client, tracing
+from llmserve.runtime.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)

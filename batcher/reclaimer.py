@@ -26,8 +26,9 @@ from batcher.events import DropReason, final_event, write_final
 from batcher.rehome import move_items
 from batcher.scripts import Scripts, Source
 from batcher.workers import Capacity, WorkerPool, blocks_needed
-from llmserve import fencing, keys, queue, redis_client, tracing
-from llmserve.clock import now_ms
+from llmserve.protocol import fencing, keys, queue
+from llmserve.runtime import redis_client, tracing
+from llmserve.runtime.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -44,7 +45,7 @@ class ReclaimContext:
     scripts: Scripts
     settings: BatcherSettings
     model: str
-    shard: int                                        # the model's queue cell (llmserve/keys.py)
+    shard: int                                        # the model's queue cell (llmserve/protocol/keys.py)
     consumer: str
     streams: Mapping[int, str]                        # priority -> work stream
     pool: WorkerPool

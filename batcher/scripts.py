@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmserve import keys, queue, redis_client
+from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
 
 # KEYS: [1] target inbox  [2] inboxes set  [3..] source streams
 # ARGV: [1] batch bytes ('' = only ack the sources)  [2] target worker id  [3] inbox group

@@ -1,10 +1,10 @@
-"""The batcher as a `llmserve.server.Service`: one batch loop per model and queue cell.
+"""The batcher as a `llmserve.runtime.server.Service`: one batch loop per model and queue cell.
 
 The gRPC server only carries health and reflection (an operator or the stack
 launcher waits for SERVING); all real work happens against Redis.
 
 Its tasks (a batch loop per cell, which also reclaims, and the stats loop) are supervised
-(llmserve/tasks.py): one that ends unexpectedly fails the batcher (NOT_SERVING, exit 1) for
+(llmserve/runtime/tasks.py): one that ends unexpectedly fails the batcher (NOT_SERVING, exit 1) for
 its supervisor to replace it. Started before Redis is reachable, it waits for it (redis_wait_s).
 """
 
@@ -21,9 +21,10 @@ from batcher import metrics
 from batcher.config import BatcherSettings
 from batcher.model_batcher import REDIS_TROUBLE, ModelBatcher
 from batcher.scripts import Scripts
-from llmserve import keys, queue, redis_client
-from llmserve.clock import now_ms
-from llmserve.tasks import TaskSupervisor
+from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
+from llmserve.runtime.clock import now_ms
+from llmserve.runtime.tasks import TaskSupervisor
 
 logger = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ itself). Each replica keeps its own ledger, so two replicas may both fill the
 same free space within one heartbeat interval.
 
 Prefix-aware choice: a heartbeat also lists the chain hashes of the worker's most
-recently used cached KV blocks (`llmserve/prefix_hash.py`). A batch goes to the
+recently used cached KV blocks (`llmserve/protocol/prefix_hash.py`). A batch goes to the
 worker that already holds the longest run of its first item's leading blocks,
 provided that item fits there and the worker is not much busier than the others;
 otherwise to the one with the most free blocks.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes
+from llmserve.protocol.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes
 from llmserve.v1 import inference_pb2, queue_pb2
 
 # When a worker does not report max_running, sequence slots are not the limit.

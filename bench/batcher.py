@@ -34,8 +34,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]   # the queue ha
 
 import queue_harness as h  # noqa: E402
 
-from llmserve import keys, queue  # noqa: E402
-from llmserve.valkey import ValkeyServer  # noqa: E402
+from llmserve.local.valkey import ValkeyServer  # noqa: E402
+from llmserve.protocol import keys, queue  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGET_ITEMS_S = 5000

@@ -55,10 +55,10 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from llmserve import keys, queue  # noqa: E402
 from llmserve.client import Client, LLMServeError, RetryPolicy  # noqa: E402
-from llmserve.clock import now_ms  # noqa: E402
 from llmserve.loadgen.streams import PROMPTS, StreamLoad, StreamRecord  # noqa: E402
+from llmserve.protocol import keys, queue  # noqa: E402
+from llmserve.runtime.clock import now_ms  # noqa: E402
 from tests.fault.up_process import UpProcess  # noqa: E402
 
 SERVICES = ("gpu_worker", "batcher", "tokenizer_svc", "gateway", "valkey")

@@ -35,7 +35,7 @@ from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.loader import load_model
 from gpu_worker.ops import reference as ops
-from llmserve import model_store
+from llmserve.catalog import model_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

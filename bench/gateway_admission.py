@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from gateway.quota import Limits, Quota  # noqa: E402
-from llmserve import redis_client  # noqa: E402
-from llmserve.valkey import ValkeyServer  # noqa: E402
+from llmserve.local.valkey import ValkeyServer  # noqa: E402
+from llmserve.runtime import redis_client  # noqa: E402
 
 LIMITS = Limits("bench", requests_per_second=1e7, burst=10**7, tokens_per_minute=10**12, max_concurrent=10**6)
 

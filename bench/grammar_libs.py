@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="GGUF or HF dir (default: the fetched SmolLM2)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    from llmserve import model_store
+    from llmserve.catalog import model_store
     from tokenizer_svc.loader import load_tokenizer
 
     tokenizer = load_tokenizer(args.model or model_store.fetch())

@@ -54,8 +54,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import report  # noqa: E402
-from llmserve import model_store  # noqa: E402
-from llmserve.valkey import free_port  # noqa: E402
+from llmserve.catalog import model_store  # noqa: E402
+from llmserve.local.valkey import free_port  # noqa: E402
 from tokenizer_svc.loader import load_tokenizer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -234,7 +234,7 @@ def measure(name: str, args: argparse.Namespace, levels: list[int], tokenizer: P
         elif args.target:
             target = args.target
         else:
-            from llmserve.stack import Stack, StackConfig
+            from llmserve.local.stack import Stack, StackConfig
 
             print("starting a stack (1 CPU worker)...", flush=True)
             stack = Stack(StackConfig(workers=1, device="cpu", port=0, http_port=-1)).start()

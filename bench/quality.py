@@ -33,7 +33,7 @@ from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.loader import load_model
 from gpu_worker.model.metadata import AttentionMetadata
-from llmserve import model_store
+from llmserve.catalog import model_store
 from tokenizer_svc.loader import load_tokenizer
 
 HERE = Path(__file__).resolve().parent

@@ -5,7 +5,7 @@ shards a fleet needs.
         [--workers 2] [--idle-s 10] [--tokens-per-s 2000] [--tokens-per-request 256] [--shard-busy 0.5]
     .venv/bin/python bench/redis_capacity.py --cluster 3     # the same load on a 3-master cluster
 
-Runs the whole stack (`llmserve.stack.Stack`: tokenizer_svc, batcher, gpu_worker ×N on CPU,
+Runs the whole stack (`llmserve.local.stack.Stack`: tokenizer_svc, batcher, gpu_worker ×N on CPU,
 gateway) on one fresh valkey-server, so every command of the fleet lands on one server:
 
   1. warm-up: one wave of requests (scripts loaded, connections open), not counted;
@@ -22,7 +22,7 @@ events/meta/epoch/cancel, {t:<tenant>} quota. Load minus the idle rate is what t
 cost; it is split into admission, queueing, dispatch, completion (per request) and token writes
 and reads (per generated token). From that and a stated fleet (tokens/s per worker, tokens per
 request) it prints the shards needed for 100 and 1,000 workers, which family fills a shard
-first, and how many queue cells (`queue_shards`, llmserve/keys.py) keep a model's queue slots
+first, and how many queue cells (`queue_shards`, llmserve/protocol/keys.py) keep a model's queue slots
 under the budget. Writes bench/results/redis_capacity.json.
 
 With `--cluster N` the same load runs on an N-master Valkey Cluster (tests/cluster/valkey_cluster.py)
@@ -52,10 +52,11 @@ sys.path.insert(0, str(ROOT))
 
 from batcher import scripts as batcher_scripts  # noqa: E402
 from gateway import quota  # noqa: E402
-from llmserve import keys, model_store  # noqa: E402
+from llmserve.catalog import model_store  # noqa: E402
 from llmserve.loadgen.streams import PROMPTS, StreamLoad  # noqa: E402
-from llmserve.stack import Stack, StackConfig  # noqa: E402
-from llmserve.valkey import ValkeyServer  # noqa: E402
+from llmserve.local.stack import Stack, StackConfig  # noqa: E402
+from llmserve.local.valkey import ValkeyServer  # noqa: E402
+from llmserve.protocol import keys  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 FAMILY = re.compile(rb"\{([mrt]):")

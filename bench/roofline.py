@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.openai_standard import machine_info, model_identity  # noqa: E402
-from llmserve import model_store  # noqa: E402
+from llmserve.catalog import model_store  # noqa: E402
 from llmserve.loadgen import main as bench_main  # noqa: E402
 
 RUNS = REPO / "bench" / "results" / "roofline"
@@ -62,7 +62,7 @@ def run_levels(args: argparse.Namespace, tmp: Path) -> list[dict]:
     """A stack of one worker; `llmserve bench` at each level against it, each level's report with the
     bandwidth this process probed just before it (how much the machine's speed drifted since the
     worker's own probe at start)."""
-    from llmserve.stack import Stack, StackConfig
+    from llmserve.local.stack import Stack, StackConfig
 
     stack = Stack(StackConfig(workers=1, device=args.device, port=0)).start()
     levels = []

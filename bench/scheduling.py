@@ -49,11 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from gateway.tenants import hash_key  # noqa: E402
-from llmserve import keys, model_store, queue  # noqa: E402
+from llmserve.catalog import model_store  # noqa: E402
 from llmserve.loadgen.goodput import jain, met  # noqa: E402
 from llmserve.loadgen.stats import RequestResult  # noqa: E402
-from llmserve.slo import Targets  # noqa: E402
-from llmserve.stack import Stack, StackConfig  # noqa: E402
+from llmserve.local.stack import Stack, StackConfig  # noqa: E402
+from llmserve.protocol import keys, queue  # noqa: E402
+from llmserve.protocol.slo import Targets  # noqa: E402
 from llmserve.v1 import inference_pb2 as pb  # noqa: E402
 from llmserve.v1 import inference_pb2_grpc, queue_pb2  # noqa: E402
 from tokenizer_svc.loader import load_tokenizer  # noqa: E402

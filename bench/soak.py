@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from llmserve.loadgen.soak import SoakConfig, soak
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parent.parent
 TENANTS = REPO / "tests" / "data" / "tenants.test.yaml"

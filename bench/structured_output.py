@@ -35,8 +35,8 @@ from gpu_worker.engine.constraint import load_constraints
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.loader import load_model
-from llmserve import model_store
-from llmserve.grammar import grammar_of
+from llmserve.catalog import model_store
+from llmserve.protocol.grammar import grammar_of
 from llmserve.v1 import inference_pb2 as pb
 from tokenizer_svc.loader import load_tokenizer
 

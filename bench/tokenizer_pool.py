@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from llmserve import model_store  # noqa: E402
+from llmserve.catalog import model_store  # noqa: E402
 from llmserve.v1 import inference_pb2 as ipb  # noqa: E402
 from llmserve.v1 import tokenizer_pb2 as pb  # noqa: E402
 from llmserve.v1 import tokenizer_pb2_grpc  # noqa: E402

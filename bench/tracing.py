@@ -29,11 +29,11 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from gpu_worker.request_spans import RequestSpans
 from gpu_worker.requests import Tracked
-from llmserve import tracing
 from llmserve.loadgen.runner import RunSettings, run_closed
 from llmserve.loadgen.stats import summarize
 from llmserve.loadgen.workload import WorkloadConfig, build_workload, parse_dist
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
+from llmserve.runtime import tracing
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

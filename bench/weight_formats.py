@@ -182,7 +182,7 @@ class LlamaServerSide:
     name = "llama-server"
 
     def __init__(self, binary: str, model: str, slots: int, slot_tokens: int, log: Path) -> None:
-        from llmserve.valkey import free_port
+        from llmserve.local.valkey import free_port
 
         self.url = f"http://127.0.0.1:{free_port()}"
         self.command = [binary, "-m", model, "-t", "2", "-tb", "2", "--parallel", str(slots),

@@ -10,8 +10,8 @@ from gateway.core import Gateway
 from gateway.grpc_front import InferenceService
 from gateway.http_server import HttpServer
 from gateway.openai_http import OpenAIHttp
-from llmserve.log import configure_logging
-from llmserve.server import serve
+from llmserve.runtime.log import configure_logging
+from llmserve.runtime.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:

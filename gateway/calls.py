@@ -23,10 +23,10 @@ from gateway.quota import Decision
 from gateway.request_state import Call
 from gateway.tenants import TenantRegistry
 from gateway.validation import REQUEST_ID
-from llmserve import tracing
-from llmserve.errors import InvalidArgument, ResourceExhausted
-from llmserve.log import bind_request
-from llmserve.server import status_for
+from llmserve.runtime import tracing
+from llmserve.runtime.errors import InvalidArgument, ResourceExhausted
+from llmserve.runtime.log import bind_request
+from llmserve.runtime.server import status_for
 
 REMAINING_REQUESTS = "x-ratelimit-remaining-requests"
 REMAINING_TOKENS = "x-ratelimit-remaining-tokens"

@@ -9,7 +9,7 @@ separate sequences (seed + i; docs/logprobs.md) and tags each event with its cho
                       their choice, `next_index` counts every choice's tokens, done when all are
     collect           the chunks of a whole call -> CompleteResponse (choice 0 also on top)
     cancel_choice     a choice that ended at a stop string while others run on: its own cancel
-                      key (llmserve/keys.py) makes the worker stop that sequence within a step
+                      key (llmserve/protocol/keys.py) makes the worker stop that sequence within a step
                       (the last choice to end ends the request, and the flow cancels it whole)
 
 Concurrency: the request holds one lease (max_concurrent counts requests, as the rate does);
@@ -24,8 +24,9 @@ import structlog
 from tokenizers import Tokenizer
 
 from gateway.output import OutputBuilder
-from llmserve import keys, redis_client
-from llmserve.errors import InvalidArgument
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

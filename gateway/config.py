@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmserve.models_file import ModelsConfig, ModelsFileError, from_setting
-from llmserve.settings import CommonSettings, SettingsError, require, setting
+from llmserve.catalog.models_file import ModelsConfig, ModelsFileError, from_setting
+from llmserve.runtime.settings import CommonSettings, SettingsError, require, setting
 
 
 @dataclass

@@ -27,9 +27,9 @@ from gateway.response_format import FormatCompiler
 from gateway.tenants import TenantRegistry
 from gateway.tokenizer_client import TokenizerClient
 from gateway.validation import check_input
-from llmserve import redis_client
-from llmserve.errors import InvalidArgument, Unavailable
-from llmserve.tasks import TaskSupervisor
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import InvalidArgument, Unavailable
+from llmserve.runtime.tasks import TaskSupervisor
 from llmserve.v1 import inference_pb2 as pb
 
 

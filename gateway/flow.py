@@ -5,7 +5,7 @@
                   → quota admit (rate + lease, one Lua call) → compile response_format (off the
                   loop) → tokenize → resolve sampling → reserve tokens (one Lua call)
                   → claim request meta → XADD WorkItem (to a queue cell with live workers,
-                  llmserve/queue_cells.py); a failure after the admit gives the lease back
+                  llmserve/protocol/queue_cells.py); a failure after the admit gives the lease back
     both:         XREAD BLOCK the events stream → OutputBuilder → chunks
     resume:       request meta of the same tenant exists → attach from 0 / x-resume-from;
                   the only viewer of a request that holds its lease carries that lease on,
@@ -42,11 +42,12 @@ from gateway.tenants import Tenant
 from gateway.tokenizer_client import ModelInfo, TokenizerClient
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
 from gateway.watch import QueueWaitExceeded, Watch
-from llmserve import keys, queue, redis_client, tracing
-from llmserve.clock import now_ms
-from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, Unavailable
-from llmserve.log import bind_model
-from llmserve.queue_cells import CellChooser
+from llmserve.protocol import keys, queue
+from llmserve.protocol.queue_cells import CellChooser
+from llmserve.runtime import redis_client, tracing
+from llmserve.runtime.clock import now_ms
+from llmserve.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from llmserve.runtime.log import bind_model
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

@@ -3,7 +3,7 @@
 Each handler opens the call (gateway/calls.py), asks the gateway, and answers. Every RPC
 answers with initial metadata `x-request-id` (errors included); successful ones add
 `x-ratelimit-remaining-requests` / `-tokens`, and Generate/Complete `x-served-model`.
-Exceptions go on to the server's one interceptor (llmserve/server.py), which maps them to
+Exceptions go on to the server's one interceptor (llmserve/runtime/server.py), which maps them to
 exact status codes.
 """
 
@@ -43,7 +43,7 @@ class _Headers:
 
 
 class InferenceService:
-    """The gRPC front, and the process's lifecycle for `llmserve.server.serve` (the gateway, then
+    """The gRPC front, and the process's lifecycle for `llmserve.runtime.server.serve` (the gateway, then
     the HTTP front when there is one).
 
     Args:

@@ -1,5 +1,5 @@
 """uvicorn serving the OpenAI app in the gateway's own event loop, HTTPS with the gRPC port's
-certificate when one is set, reloaded the way gRPC reloads it (`llmserve.server.CertificateFiles`):
+certificate when one is set, reloaded the way gRPC reloads it (`llmserve.runtime.server.CertificateFiles`):
 
     handshake ─▶ SNI callback (called for every ClientHello, SNI or not)
               ─▶ files changed since the last load? load a fresh context
@@ -18,7 +18,7 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 
-from llmserve.server import CertificateFiles, write_port_file
+from llmserve.runtime.server import CertificateFiles, write_port_file
 
 logger = structlog.get_logger(__name__)
 

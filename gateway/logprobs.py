@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gateway.detokenizer import TokenTexts
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20          # chat and gRPC

@@ -1,10 +1,10 @@
-"""Prometheus metrics of the gateway (served on --metrics-port by llmserve.server)."""
+"""Prometheus metrics of the gateway (served on --metrics-port by llmserve.runtime.server)."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from llmserve import tracing
+from llmserve.runtime import tracing
 from llmserve.v1 import inference_pb2 as pb
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

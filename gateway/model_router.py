@@ -9,7 +9,7 @@
 
 The weighted pick is a hash of the request id, so a retry with the same request_id lands on
 the same version (a resume reads the version from the request's meta and never routes again).
-Weights come from Redis (llmserve/routes.py), live workers from the heartbeats, both re-read
+Weights come from Redis (llmserve/catalog/routes.py), live workers from the heartbeats, both re-read
 every `refresh_s` by one background task: a `llmserve route` reaches every gateway within it.
 The same read keeps each concrete model's architecture and weight format as its workers publish
 them (ModelFacts, for ListModels); the last ones seen stay while no worker is up.
@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import structlog
 from redis.exceptions import RedisError
 
-from llmserve import queue_cells, redis_client, routes
-from llmserve.errors import NotFound
-from llmserve.models_file import ModelsConfig
-from llmserve.seeded_pick import weighted_pick
+from llmserve.catalog import routes
+from llmserve.catalog.models_file import ModelsConfig
+from llmserve.protocol import queue_cells
+from llmserve.protocol.seeded_pick import weighted_pick
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import NotFound
 
 logger = structlog.get_logger(__name__)
 # A Redis that answers badly or not at all: routing goes on with what it last read.
@@ -61,7 +63,7 @@ class Router:
         redis: the gateway's client.
         refresh_s: how often weights and heartbeats are re-read.
         heartbeat_ttl_ms: a worker whose heartbeat is older counts as gone (as the batcher's).
-        queue_shards: queue cells per model (llmserve/keys.py): a model's workers are in any of them.
+        queue_shards: queue cells per model (llmserve/protocol/keys.py): a model's workers are in any of them.
     """
 
     def __init__(self, config: ModelsConfig, redis: redis_client.AnyRedis, refresh_s: float, heartbeat_ttl_ms: int,

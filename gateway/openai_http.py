@@ -38,8 +38,8 @@ from gateway.openai_tools import openai_tool_calls
 from gateway.openai_wire import FINISH, BodyTooLarge, Parsed, parse_chat, parse_completion, parse_json, read_body
 from gateway.request_state import Call
 from gateway.tool_stream import ToolCallStream, stream_for
-from llmserve.errors import InvalidArgument, Unavailable
-from llmserve.server import status_for
+from llmserve.runtime.errors import InvalidArgument, Unavailable
+from llmserve.runtime.server import status_for
 from llmserve.v1 import inference_pb2 as pb
 
 logger = structlog.get_logger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 _CHOICES = {"none", "auto", "required"}

@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from gateway import logprobs
 from gateway.openai_tools import message_tool_fields, parse_tools
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CANCELLED: "stop",

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer
 from gateway import logprobs
 from gateway.detokenizer import IncrementalDetokenizer, TokenTexts
 from gateway.stops import StopMatcher
-from llmserve import queue
-from llmserve.errors import Unavailable
+from llmserve.protocol import queue
+from llmserve.runtime.errors import Unavailable
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

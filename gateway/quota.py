@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmserve import keys, redis_client
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
 
 _NOW = """
 local t = redis.call('TIME')

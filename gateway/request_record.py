@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from gateway.request_state import Meta
-from llmserve import keys, redis_client
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
 
 # KEYS: [1] request record  [2] events stream  [3] cancel key  ARGV: [1] owner  [2] ttl s
 # Returns 1 when claimed, 0 when the request_id is taken. One script: the record never exists

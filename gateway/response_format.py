@@ -11,7 +11,7 @@
 A tenant sending unique 58 KB schemas therefore spends its own rate and concurrency, and never the
 event loop that streams every other tenant's tokens. The gateway does not keep the compiled
 grammar: the work item carries the format (or the tool grammar's text), and each worker compiles
-it for its own vocabulary (llmserve/grammar.py says why).
+it for its own vocabulary (llmserve/protocol/grammar.py says why).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from google.protobuf.message import Message
 
 from gateway import metrics, tool_calls
-from llmserve.errors import InvalidArgument
-from llmserve.grammar import GrammarCache, GrammarError, compile_entry, kind_of
+from llmserve.protocol.grammar import GrammarCache, GrammarError, compile_entry, kind_of
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 FIELD = "sampling.response_format"

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from gateway import metrics, slo
 from gateway.slo_estimate import ServiceEstimate
-from llmserve import keys, redis_client
-from llmserve.errors import ResourceExhausted, Unavailable
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import ResourceExhausted, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 
 _MIN_RETRY_MS, _MAX_RETRY_MS = 100, 60_000

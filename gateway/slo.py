@@ -7,7 +7,7 @@
               target it has; one with none meets them by finishing) or `missed`; a request refused
               early because it could not meet its TTFT (gateway/shedding.py) counts as `refused`
 
-The next-token deadline the batcher and worker order by is llmserve/slo.py's.
+The next-token deadline the batcher and worker order by is llmserve/protocol/slo.py's.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter
 
 from gateway.tenants import MAX_SLO_MS, Tenant
-from llmserve import keys
-from llmserve.errors import InvalidArgument
-from llmserve.slo import Targets, mean_tpot_ms
+from llmserve.protocol import keys
+from llmserve.protocol.slo import Targets, mean_tpot_ms
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:

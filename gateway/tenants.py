@@ -13,7 +13,7 @@
         cache_group: ""          # optional: tenants of one group share prefix-cache hits
         raw_special_tokens: false   # optional: special tokens spelled in `prompt` act as control tokens
         weight: 1                # optional: share of tokens when tenants compete (batcher/fair_queue.py)
-        slo_ttft_ms: 0           # optional defaults of requests that set no target (0 = none; llmserve/slo.py)
+        slo_ttft_ms: 0           # optional defaults of requests that set no target (0 = none; llmserve/protocol/slo.py)
         slo_tpot_ms: 0
         shed_unmeetable: false   # optional: refuse early a request whose TTFT target can no longer be met
 
@@ -42,8 +42,8 @@ from pathlib import Path
 import structlog
 import yaml
 
-from llmserve.errors import Unauthenticated
-from llmserve.slo import Targets
+from llmserve.protocol.slo import Targets
+from llmserve.runtime.errors import Unauthenticated
 from llmserve.v1 import inference_pb2 as pb
 
 logger = structlog.get_logger(__name__)

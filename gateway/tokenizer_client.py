@@ -13,9 +13,9 @@ import grpc
 import structlog
 from tokenizers import Tokenizer
 
-from llmserve import tracing
-from llmserve.errors import NotFound, Unavailable
-from llmserve.retry import remaining, retrying
+from llmserve.runtime import tracing
+from llmserve.runtime.errors import NotFound, Unavailable
+from llmserve.runtime.retry import remaining, retrying
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 

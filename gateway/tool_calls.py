@@ -29,8 +29,8 @@ from typing import Any
 
 import llguidance
 
-from llmserve.errors import InvalidArgument
-from llmserve.grammar import GrammarError
+from llmserve.protocol.grammar import GrammarError
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 CALL_OPEN = "<tool_call>"
@@ -40,7 +40,7 @@ NAME_PREFIX = '{"name": "'
 ARGUMENTS_PREFIX = '", "arguments": '
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# The arguments JSON as the structured output writes it (llmserve/grammar.py): compact but readable.
+# The arguments JSON as the structured output writes it (llmserve/protocol/grammar.py): compact but readable.
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from gateway import choices, logprobs
 from gateway.response_format import check_size
 from gateway.tool_calls import check_tools
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

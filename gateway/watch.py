@@ -10,9 +10,10 @@ from gateway.choices import ChoicesBuilder
 from gateway.config import GatewaySettings
 from gateway.quota import Quota
 from gateway.request_state import Call, Meta
-from llmserve import keys, redis_client
-from llmserve.clock import now_ms_precise
-from llmserve.errors import DeadlineExceeded, Unavailable
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
+from llmserve.runtime.clock import now_ms_precise
+from llmserve.runtime.errors import DeadlineExceeded, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from google.protobuf.message import DecodeError
 
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 
 # field number → (name, nested schema or None) of the string fields of each request message.
 _MESSAGE = {1: ("role", None), 2: ("content", None)}

@@ -9,9 +9,9 @@ from gpu_worker.config import WorkerSettings
 from gpu_worker.model.architectures import UnsupportedModel
 from gpu_worker.model.loader import check_supported
 from gpu_worker.service import WorkerService
-from llmserve import model_store
-from llmserve.log import bind_model, configure_logging
-from llmserve.server import serve
+from llmserve.catalog import model_store
+from llmserve.runtime.log import bind_model, configure_logging
+from llmserve.runtime.server import serve
 
 DESCRIPTION = ("Inference worker: consumes its Redis inbox, runs continuous batching over a paged KV cache, "
                "publishes token events, heartbeats its capacity; SIGTERM drains and hands work back.")

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:

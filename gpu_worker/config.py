@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from llmserve.settings import CommonSettings, require, setting
+from llmserve.runtime.settings import CommonSettings, require, setting
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_FORMATS = ("none", "int8", "int4")  # CPU weight formats: gpu_worker/ops/weights/quantized_linear.py

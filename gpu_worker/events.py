@@ -1,6 +1,6 @@
 """Token events: one TokenEvent per sequence per step, all of a step in one Redis pipeline.
 
-Each write is fenced (llmserve/fencing.py): Redis refuses it when the request was
+Each write is fenced (llmserve/protocol/fencing.py): Redis refuses it when the request was
 dispatched again elsewhere since this worker got it, and the publisher reports which.
 """
 
@@ -11,8 +11,9 @@ from typing import cast
 
 from gpu_worker.engine.sequence import TokenLogprobs
 from gpu_worker.requests import Tracked
-from llmserve import fencing, keys, queue, redis_client
-from llmserve.errors import ServiceError
+from llmserve.protocol import fencing, keys, queue
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import ServiceError
 from llmserve.v1 import inference_pb2, queue_pb2
 
 

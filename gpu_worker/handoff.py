@@ -8,7 +8,8 @@ continues at index len(generated_token_ids).
 
 from __future__ import annotations
 
-from llmserve import keys, queue, redis_client
+from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
 from llmserve.v1 import queue_pb2
 
 

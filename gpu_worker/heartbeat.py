@@ -16,9 +16,10 @@ import structlog
 import tenacity
 
 from gpu_worker.engine.engine import EngineStats
-from llmserve import keys, redis_client
-from llmserve.clock import now_ms
-from llmserve.redis_client import UNAVAILABLE_ERRORS
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
+from llmserve.runtime.clock import now_ms
+from llmserve.runtime.redis_client import UNAVAILABLE_ERRORS
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import structlog
 
 from gpu_worker import metrics
-from llmserve import keys, queue, redis_client
+from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)

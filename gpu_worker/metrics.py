@@ -1,4 +1,4 @@
-"""Prometheus metrics of the worker (served on --metrics-port by llmserve.server)."""
+"""Prometheus metrics of the worker (served on --metrics-port by llmserve.runtime.server)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The spans of the requests one worker runs, children of each work item's gateway request span
-(WorkItem.trace_context, llmserve/tracing.py):
+(WorkItem.trace_context, llmserve/runtime/tracing.py):
 
     queue wait   item enqueued (gateway, or the handoff that requeued it) ─▶ this worker took it
     prefill      taken ─▶ its first token here   (ends at once: a worker killed later keeps it)
@@ -22,7 +22,7 @@ from opentelemetry.trace import Span
 
 from gpu_worker.engine.sequence import SequenceStatus
 from gpu_worker.requests import Tracked
-from llmserve import tracing
+from llmserve.runtime import tracing
 from llmserve.v1 import inference_pb2
 
 

@@ -6,9 +6,9 @@ import zlib
 from dataclasses import dataclass, field
 
 from gpu_worker.engine.sequence import SamplingParams, Sequence
-from llmserve import keys, queue, slo
-from llmserve.clock import now_ms
-from llmserve.grammar import GrammarCache, GrammarError
+from llmserve.protocol import keys, queue, slo
+from llmserve.protocol.grammar import GrammarCache, GrammarError
+from llmserve.runtime.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 # Grammars of the formats this worker has seen (by content): a repeated schema is derived once.

@@ -1,4 +1,4 @@
-"""WorkerService: the gpu_worker process as an `llmserve.server.Service`.
+"""WorkerService: the gpu_worker process as an `llmserve.runtime.server.Service`.
 
     start():  load model (thread) ─▶ KV cache from budget ─▶ warm-up forward ─▶ join a queue cell
               ─▶ loop + heartbeat
@@ -6,10 +6,10 @@
               ─▶ loop stops ─▶ the rest is handed back to the work streams ─▶ HDEL heartbeat
     close():  tasks cancelled, Redis closed
 
-SIGTERM reaches drain() through llmserve.server.serve; the Drain RPC starts the same drain
+SIGTERM reaches drain() through llmserve.runtime.server.serve; the Drain RPC starts the same drain
 and then sets the serve stop event, so the process exits 0 either way.
 
-Its tasks (engine-loop, heartbeat) are supervised (llmserve/tasks.py): if one ends unexpectedly
+Its tasks (engine-loop, heartbeat) are supervised (llmserve/runtime/tasks.py): if one ends unexpectedly
 (a bug, out of memory, a Redis reply it cannot handle, a step past the watchdog, heartbeats
 failing for heartbeat_give_up_s) the worker logs the stack and sets `failure`; serve() turns
 health NOT_SERVING, and close() deletes the heartbeat (the batcher then reclaims the inbox at
@@ -38,9 +38,10 @@ from gpu_worker.model.kv_cache import num_blocks_for_budget
 from gpu_worker.model.loader import load_model
 from gpu_worker.ops import select_device
 from gpu_worker.worker_loop import WorkerLoop
-from llmserve import model_store, queue_cells
-from llmserve.redis_client import UNAVAILABLE_ERRORS, AnyRedis, connect_when_up
-from llmserve.tasks import TaskSupervisor
+from llmserve.catalog import model_store
+from llmserve.protocol import queue_cells
+from llmserve.runtime.redis_client import UNAVAILABLE_ERRORS, AnyRedis, connect_when_up
+from llmserve.runtime.tasks import TaskSupervisor
 from llmserve.v1 import worker_pb2, worker_pb2_grpc
 
 logger = structlog.get_logger(__name__)
@@ -109,7 +110,7 @@ class WorkerService:
         self.loop: WorkerLoop | None = None
         self.heartbeat: Heartbeat | None = None
         self.draining = False
-        self.shard = 0                      # the queue cell joined at start (llmserve/queue_cells.py)
+        self.shard = 0                      # the queue cell joined at start (llmserve/protocol/queue_cells.py)
         self.tasks = TaskSupervisor(on_failure=self._fail)
         self._drain_task: asyncio.Task | None = None
         self.failure: BaseException | None = None

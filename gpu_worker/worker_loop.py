@@ -37,10 +37,10 @@ from gpu_worker.inbox import Inbox, InboxEntry
 from gpu_worker.request_spans import RequestSpans
 from gpu_worker.requests import Tracked, handoff_items, validate_item
 from gpu_worker.step_thread import StepThread
-from llmserve import redis_client, tracing
-from llmserve.clock import now_ms
-from llmserve.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
-from llmserve.redis_client import UNAVAILABLE_ERRORS
+from llmserve.runtime import redis_client, tracing
+from llmserve.runtime.clock import now_ms
+from llmserve.runtime.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from llmserve.runtime.redis_client import UNAVAILABLE_ERRORS
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)

@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from llmserve import model_store
-from llmserve.stack import STATE_DIR
-from llmserve.valkey import FSYNC_POLICIES
+from llmserve.catalog import model_store
+from llmserve.local.stack import STATE_DIR
+from llmserve.local.valkey import FSYNC_POLICIES
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 DEV_API_KEY = "dev-key"  # the key of deploy/tenants.dev.yaml, for local use only
@@ -20,9 +20,9 @@ REDIS_URL_FILE = STATE_DIR / "redis-url"
 
 
 def _up(args: argparse.Namespace) -> int:
-    from llmserve.log import configure_logging
-    from llmserve.stack import DEFAULT_TENANTS, Stack, StackConfig
-    from llmserve.supervisor import REFUSED_EXIT_CODE, Supervisor, refusal
+    from llmserve.local.stack import DEFAULT_TENANTS, Stack, StackConfig
+    from llmserve.local.supervisor import REFUSED_EXIT_CODE, Supervisor, refusal
+    from llmserve.runtime.log import configure_logging
 
     configure_logging("llmserve-up")
     state_dir = STATE_DIR.resolve()
@@ -94,7 +94,7 @@ def admin_redis_url(flag: str | None) -> str:
 
 
 def parse_targets(pairs: list[str]) -> dict[str, int]:
-    """TARGET=WEIGHT arguments as a mapping; the weights' range is checked by llmserve.routes."""
+    """TARGET=WEIGHT arguments as a mapping; the weights' range is checked by llmserve.catalog.routes."""
     weights: dict[str, int] = {}
     for pair in pairs:
         target, sep, raw = pair.rpartition("=")
@@ -110,8 +110,9 @@ def parse_targets(pairs: list[str]) -> dict[str, int]:
 
 
 def _route(args: argparse.Namespace) -> int:
-    from llmserve import redis_client, routes
-    from llmserve.models_file import ModelsFileError
+    from llmserve.catalog import routes
+    from llmserve.catalog.models_file import ModelsFileError
+    from llmserve.runtime import redis_client
 
     client = redis_client.connect_sync(admin_redis_url(args.redis_url))
     try:

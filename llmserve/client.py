@@ -36,7 +36,7 @@ import grpc
 
 from llmserve.client_request import build_request, messages_of
 from llmserve.client_results import Choice, Chunk, Completion, TokenLogprob, ToolCall, TopLogprob, Usage, to_chunk, to_completion
-from llmserve.retry import is_retryable, remaining
+from llmserve.runtime.retry import is_retryable, remaining
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 

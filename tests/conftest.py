@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from llmserve import model_store
-from llmserve.valkey import ValkeyServer
+from llmserve.catalog import model_store
+from llmserve.local.valkey import ValkeyServer
 
 # Test tenants: "dev" (key "dev-key"), "fuzz", "other", "restricted"; see the file's header.
 TEST_TENANTS = Path(__file__).resolve().parent / "data" / "tenants.test.yaml"
@@ -45,7 +45,7 @@ def smollm2_path():
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     """The whole stack on the real model, shared by every end-to-end test of the session."""
-    from llmserve.stack import Stack, StackConfig
+    from llmserve.local.stack import Stack, StackConfig
 
     config = StackConfig(workers=1, device="cpu", port=0, http_port=-1, tenants=TEST_TENANTS,
                          log_dir=tmp_path_factory.mktemp("stack"))
@@ -58,7 +58,7 @@ def stack(tmp_path_factory):
 def start_stack(tmp_path_factory):
     """start_stack(workers=2, gateways=1, **StackConfig fields) -> a started Stack of its own (real
     Valkey, real model on CPU), closed after the test."""
-    from llmserve.stack import Stack, StackConfig
+    from llmserve.local.stack import Stack, StackConfig
 
     stacks: list[Stack] = []
 

@@ -7,8 +7,8 @@ import sys
 
 import structlog
 
-from llmserve.log import configure_logging
-from llmserve.server import serve
+from llmserve.runtime.log import configure_logging
+from llmserve.runtime.server import serve
 from tokenizer_svc.config import TokenizerSettings
 from tokenizer_svc.service import TokenizerService, load_models
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from llmserve.models_file import ModelsFileError, from_setting
-from llmserve.settings import CommonSettings, SettingsError, require, setting
+from llmserve.catalog.models_file import ModelsFileError, from_setting
+from llmserve.runtime.settings import CommonSettings, SettingsError, require, setting
 
 
 @dataclass
 class TokenizerSettings(CommonSettings):
     models: str = setting("smollm2-135m", "comma list of model specs (alias, path or ID=PATH; the first is the "
-                                          "default), or @FILE: a models file (llmserve/models_file.py)")
+                                          "default), or @FILE: a models file (llmserve/catalog/models_file.py)")
     workers: int = setting(0, "pool processes (0 = one per CPU core)")
     max_text_bytes: int = setting(1 << 20, "largest text (or all message contents together) per request, bytes")
     max_messages: int = setting(512, "most chat messages per request")

@@ -3,7 +3,7 @@
     load_tokenizer(Path("SmolLM2-135M-Instruct.Q4_1.gguf"))   # tokenizer.ggml.* + chat template
     load_tokenizer(Path("some-hf-model/"))                    # tokenizer.json + tokenizer_config.json + config.json
 
-Both give a `ModelTokenizer`: the model's vocabulary (llmserve/vocabulary.py, which the
+Both give a `ModelTokenizer`: the model's vocabulary (llmserve/catalog/vocabulary.py, which the
 worker's grammar store loads too: exact token ids, special tokens, EOS ids), the chat template,
 the context length, and for the model catalog the architecture and weight format. A
 ModelTokenizer pickles as its JSON, so the service loads a model once and ships it to its pool processes cheaply.
@@ -19,8 +19,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
-from llmserve.vocabulary import Vocabulary, gguf_fields, gguf_vocabulary, hf_vocabulary, read_json
+from llmserve.catalog.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
+from llmserve.catalog.vocabulary import Vocabulary, gguf_fields, gguf_vocabulary, hf_vocabulary, read_json
 from tokenizer_svc import chat_template, tool_prompt
 from tokenizer_svc.literal import LiteralSpecials, encode_ids
 

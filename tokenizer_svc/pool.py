@@ -23,8 +23,8 @@ from typing import Any
 
 import structlog
 
-from llmserve.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from llmserve.tasks import TaskSupervisor
+from llmserve.runtime.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from llmserve.runtime.tasks import TaskSupervisor
 from tokenizer_svc import metrics, pool_process, protocol
 from tokenizer_svc.dispatch import Dispatcher, ProcessLoad
 from tokenizer_svc.loader import ModelTokenizer

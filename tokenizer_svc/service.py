@@ -4,7 +4,7 @@ Each call: pick the model (empty = default; unknown → NOT_FOUND), check limits
 (INVALID_ARGUMENT), look the exact request up in the LRU cache, else run it on
 the pool under the caller's deadline (DEADLINE_EXCEEDED).
 
-The pool's read loops are supervised (llmserve/tasks.py): one that raises fails the service
+The pool's read loops are supervised (llmserve/runtime/tasks.py): one that raises fails the service
 (`failure`, then the stop event: serve() goes NOT_SERVING and exits 1).
 """
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import grpc
 import structlog
 
-from llmserve import model_store, tracing
-from llmserve.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from llmserve.catalog import model_store
+from llmserve.runtime import tracing
+from llmserve.runtime.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable
 from llmserve.v1 import tokenizer_pb2 as pb
 from llmserve.v1 import tokenizer_pb2_grpc
 from tokenizer_svc import metrics

@@ -10,7 +10,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import tokenizer_pb2 as pb
 from tokenizer_svc import protocol
 

@@ -12,7 +12,7 @@ Block states:
                      (ref_count 0, hash kept: its KV can still be reused)
 
 Automatic prefix caching: once a full block's KV is computed it is registered under its
-chain hash (`llmserve/prefix_hash.py`); a later sequence whose context starts with the same blocks
+chain hash (`llmserve/protocol/prefix_hash.py`); a later sequence whose context starts with the same blocks
 under the same cache salt (tenant or cache_group) takes them instead of recomputing. Unreferenced
 cached blocks are evicted least recently used first, and a sequence frees its blocks tail-first so
 its tail is evicted before its head.
@@ -45,7 +45,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from gpu_worker.engine.sequence import Sequence
-from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes, root_hash
+from llmserve.protocol.prefix_hash import DISPATCH_PREFIX_BLOCKS, block_hashes, root_hash
 
 _RECENTLY_USED_KEPT = 4096  # hashes remembered for `cached_hashes`
 NULL = -1                   # a window group's table entry whose block was given back

@@ -161,8 +161,8 @@ def _lltokenizer(tokenizer_json: str, eos_token_ids: Seq[int]) -> llguidance.LLT
 
 
 def _load_lltokenizer(spec: str) -> llguidance.LLTokenizer:
-    from llmserve import model_store
-    from llmserve.vocabulary import load_vocabulary  # the one loader of GGUF / HF vocabularies
+    from llmserve.catalog import model_store
+    from llmserve.catalog.vocabulary import load_vocabulary  # the one loader of GGUF / HF vocabularies
 
     vocab = load_vocabulary(model_store.resolve(spec))
     return _lltokenizer(vocab.tokenizer.to_str(), vocab.eos_token_ids)

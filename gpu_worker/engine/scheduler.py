@@ -24,7 +24,7 @@ sequence that has not (deadlines aside), oldest first among those that have: no 
 pass it in the queue or preempt it, and it preempts younger running sequences itself. So with
 nothing older ahead of it, a LOW sequence waits at most 2 * aging_steps + 1 steps.
 
-Deadlines (SLO targets, llmserve/slo.py) order the queue within a level only; they never make
+Deadlines (SLO targets, llmserve/protocol/slo.py) order the queue within a level only; they never make
 one sequence preempt another of its level.
 
 Tenants share the worker by tokens (VTC, as the batcher's fair queue does): every token a step

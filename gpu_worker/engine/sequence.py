@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.slo import Targets, next_token_deadline_ms
+from llmserve.protocol.slo import Targets, next_token_deadline_ms
 from llmserve.v1 import inference_pb2
 
 _ids = itertools.count()
@@ -84,7 +84,7 @@ class Sequence:
         request_id: caller's id, carried through for events.
         cache_salt: prefix-cache salt (the work item's); blocks are shared only under the same salt.
         priority: the work item's Priority (HIGH preempts lower running sequences; scheduler.py).
-        slo: latency targets; with arrival_unix_ms they give the next token's deadline (llmserve/slo.py).
+        slo: latency targets; with arrival_unix_ms they give the next token's deadline (llmserve/protocol/slo.py).
         tenant, tenant_weight: whose request it is and that tenant's share (token-fair admission).
         choice_index: which of the request's n choices this sequence generates.
         leader: choice 0 of the same request; this sequence is scheduled only once the leader's

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH
+from llmserve.catalog.gguf_metadata import DEFAULT_CONTEXT_LENGTH
 
 
 @dataclass(frozen=True)

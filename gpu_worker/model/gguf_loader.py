@@ -34,8 +34,8 @@ from gpu_worker.model.architectures import Architecture
 from gpu_worker.model.config import ModelConfig, RopeScaling
 from gpu_worker.ops.weights import gguf_blocks, gguf_weight
 from gpu_worker.ops.weights.gguf_weight import FileTensor
-from llmserve import model_store
-from llmserve.gguf_metadata import read_metadata
+from llmserve.catalog import model_store
+from llmserve.catalog.gguf_metadata import read_metadata
 
 logger = structlog.get_logger(__name__)
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from gpu_worker.model import architectures
 from gpu_worker.model.architectures import Architecture
 from gpu_worker.model.config import ModelConfig, RopeScaling
-from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH
+from llmserve.catalog.gguf_metadata import DEFAULT_CONTEXT_LENGTH
 
 logger = structlog.get_logger(__name__)
 

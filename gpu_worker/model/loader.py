@@ -16,7 +16,7 @@ from gpu_worker.model.weight_format import served_format
 from gpu_worker.ops import get_backend
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.weights import gguf_weight, packed_linear, quantized_linear
-from llmserve import model_store
+from llmserve.catalog import model_store
 
 logger = structlog.get_logger(__name__)
 

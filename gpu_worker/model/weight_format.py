@@ -15,7 +15,7 @@ import torch
 from gguf import GGUFReader
 
 from gpu_worker.ops.weights import gguf_weight
-from llmserve.gguf_metadata import FILE_TYPES
+from llmserve.catalog.gguf_metadata import FILE_TYPES
 
 DENSE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 

@@ -23,8 +23,8 @@ from llmserve.loadgen.goodput import summarize_goodput
 from llmserve.loadgen.runner import RunSettings, run_closed, run_open
 from llmserve.loadgen.stats import RequestResult, summarize
 from llmserve.loadgen.workload import DistError, WorkloadConfig, build_workload, parse_dist, poisson_arrivals
-from llmserve.slo import Targets
-from llmserve.stack import STATE_DIR
+from llmserve.local.stack import STATE_DIR
+from llmserve.protocol.slo import Targets
 
 
 class UsageError(ValueError):

@@ -1,7 +1,7 @@
 """Goodput and token fairness of one load level, measured at the client.
 
     goodput = requests per second that finished OK within every latency target they had
-              (TTFT and mean time per output token, llmserve/slo.py), per tenant and overall
+              (TTFT and mean time per output token, llmserve/protocol/slo.py), per tenant and overall
     jain    = Jain's fairness index over the tenants' token throughput (prompt + output tokens
               of OK requests per second): 1.0 when equal, 1/n when one tenant got everything
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from llmserve.loadgen.stats import RequestResult
-from llmserve.slo import Targets, mean_tpot_ms
+from llmserve.protocol.slo import Targets, mean_tpot_ms
 
 
 def met(result: RequestResult, targets: Targets) -> bool:

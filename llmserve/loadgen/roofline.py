@@ -23,7 +23,7 @@ STEP_SECONDS = "llmserve_worker_step_seconds_sum"
 STEPS = "llmserve_worker_step_seconds_count"
 PROBE_GBPS = "llmserve_worker_probe_bandwidth_gbps"
 SCRAPE_TIMEOUT_S = 5.0
-WORKER_PORT_FILES = "gpu_worker-*.metrics.port"  # what llmserve.stack writes beside each worker's log
+WORKER_PORT_FILES = "gpu_worker-*.metrics.port"  # what llmserve.local.stack writes beside each worker's log
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import grpc
 
 from llmserve.loadgen.stats import RequestResult
 from llmserve.loadgen.workload import RequestSpec
-from llmserve.slo import Targets
+from llmserve.protocol.slo import Targets
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 

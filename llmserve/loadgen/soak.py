@@ -175,7 +175,7 @@ async def _await_expiry(stack, client: redis.Redis, start: float, timeout_s: flo
 
 
 async def soak(stack, config: SoakConfig, settings: RunSettings | None = None) -> SoakReport:
-    """Run the load against `stack` (a llmserve.stack.Stack) and sample it; see the module docstring."""
+    """Run the load against `stack` (a llmserve.local.stack.Stack) and sample it; see the module docstring."""
     settings = settings or RunSettings(target=stack.gateway_target, temperature=1.0, timeout_s=120.0)
     client = redis.Redis.from_url(stack.redis_url)
     try:

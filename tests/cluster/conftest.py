@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from valkey_cluster import ValkeyCluster
 
-from llmserve import redis_client
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
+from llmserve.runtime import redis_client
 
 CLUSTER_TENANTS = Path(__file__).resolve().parent / "tenants.cluster.yaml"
 QUEUE_SHARDS = 2

@@ -1,4 +1,4 @@
-"""llmserve.redis_client on a real cluster: the client is chosen from any node, routes by slot
+"""llmserve.runtime.redis_client on a real cluster: the client is chosen from any node, routes by slot
 (blocking reads included), follows a slot that moved, refuses what spans slots, and never
 re-sends a command."""
 
@@ -14,8 +14,9 @@ import redis.exceptions
 from redis.crc import key_slot
 from valkey_cluster import ValkeyCluster
 
-from llmserve import keys, redis_client
-from llmserve.valkey import ValkeyServer
+from llmserve.local.valkey import ValkeyServer
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
 
 
 def test_any_node_gives_the_cluster_client_a_plain_server_the_plain_one(valkey_cluster):
@@ -164,8 +165,8 @@ async def test_the_client_rides_through_a_failover():
 
 
 def test_a_failover_in_progress_is_retryable_like_a_dropped_connection():
-    from llmserve.retry import is_retryable
-    from llmserve.server import status_for
+    from llmserve.runtime.retry import is_retryable
+    from llmserve.runtime.server import status_for
     assert is_retryable(redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"))
     assert is_retryable(redis.exceptions.MasterDownError("MASTERDOWN Link with MASTER is down"))
     assert not is_retryable(redis.exceptions.ResponseError("WRONGTYPE"))

@@ -3,7 +3,7 @@ whose services were given one node's URL and found the others themselves.
 
 The Paris, batch-invariance, cancel and resume tests are the e2e suite's own, imported and run
 here on the cluster stack (tests/cluster/conftest.py overrides `stack`), whose queue is two cells
-(llmserve/keys.py): each worker joins its own, requests spread over both, and the kill -9 of a
+(llmserve/protocol/keys.py): each worker joins its own, requests spread over both, and the kill -9 of a
 worker leaves its cell with no worker, so its work must move to the other cell. The last test checks
 that nothing crossed a hash slot: no CROSSSLOT reply on any node, no failed script or MULTI,
 no cross-slot refusal by the client in any service's log, and traffic on every node.
@@ -21,8 +21,8 @@ import grpc
 import pytest
 import redis
 
-from llmserve import keys
 from llmserve.loadgen.streams import PROMPTS, StreamLoad, mismatches
+from llmserve.protocol import keys
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 

@@ -15,7 +15,8 @@ import pytest
 from redis.crc import key_slot
 from valkey_cluster import ValkeyCluster
 
-from llmserve import keys, redis_client
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration"))
 from test_worker_service import (  # noqa: E402,F401  (model_dir, reference: fixtures used here)

@@ -40,7 +40,8 @@ async def test_drain_handoff_multi_runs_on_the_cluster(redis_url, clean_redis):
     """gpu_worker/handoff.py: one MULTI puts items back on two priorities' work streams and acks
     the inbox entry they came in (one slot: the model's tag)."""
     from gpu_worker.handoff import hand_back
-    from llmserve import keys, queue, redis_client
+    from llmserve.protocol import keys, queue
+    from llmserve.runtime import redis_client
     from llmserve.v1 import inference_pb2, queue_pb2
 
     inbox = keys.inbox_stream("m", "w1")

@@ -17,7 +17,7 @@ import time
 
 import redis
 
-from llmserve.valkey import ValkeyServer, free_port
+from llmserve.local.valkey import ValkeyServer, free_port
 
 SLOTS = 16384
 

@@ -14,7 +14,7 @@ import pytest
 from test_gateway_e2e import wait_until
 
 from llmserve.client import Client
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 

@@ -3,7 +3,7 @@ from a models file: the same SmolLM2 GGUF served as smollm2-135m@v1 and @v2 (one
 each), the alias smollm2-135m at 95/5, two gateways.
 
 Which version served a request is read from its x-served-model header; request ids whose
-weighted pick is known (llmserve.seeded_pick.weighted_pick) make the routing tests deterministic.
+weighted pick is known (llmserve.protocol.seeded_pick.weighted_pick) make the routing tests deterministic.
 The drain test stops every v2 worker, so it runs last."""
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import pytest
 import redis
 
 from gateway.tenants import hash_key
-from llmserve import keys, routes
-from llmserve.seeded_pick import weighted_pick
+from llmserve.catalog import routes
+from llmserve.protocol import keys
+from llmserve.protocol.seeded_pick import weighted_pick
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc, queue_pb2
 
@@ -53,7 +54,7 @@ def _tenant(tenant_id: str, key: str, models: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def canary(tmp_path_factory):
     """The one stack of this module: two versions, two gateways, a short max queue wait."""
-    from llmserve.stack import Stack, StackConfig
+    from llmserve.local.stack import Stack, StackConfig
 
     tmp = tmp_path_factory.mktemp("canary")
     (tmp / "models.yaml").write_text(MODELS_FILE)

@@ -17,11 +17,12 @@ import grpc
 import kustomize_render as kustomize
 import pytest
 
-from llmserve import keys, model_store
-from llmserve.stack import ServiceProcess
+from llmserve.catalog import model_store
+from llmserve.local.stack import ServiceProcess
+from llmserve.local.valkey import ValkeyServer, free_port
+from llmserve.protocol import keys
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
-from llmserve.valkey import ValkeyServer, free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -78,7 +78,7 @@ def fuzz_stack(stack, tmp_path_factory):
     if knows_fuzz_tenant(stack.gateway_target):
         yield stack
         return
-    from llmserve.stack import Stack, StackConfig
+    from llmserve.local.stack import Stack, StackConfig
 
     own = Stack(StackConfig(workers=1, device="cpu", port=0, http_port=-1, tenants=TEST_TENANTS,
                             log_dir=tmp_path_factory.mktemp("fuzz-stack")))

@@ -8,8 +8,8 @@ import uuid
 import grpc
 import pytest
 
-from llmserve import keys
 from llmserve.client import Client
+from llmserve.protocol import keys
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc, queue_pb2
 

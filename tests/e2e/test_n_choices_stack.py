@@ -10,7 +10,7 @@ import openai
 import pytest
 from test_gateway_e2e import wait_until
 
-from llmserve import keys, queue
+from llmserve.protocol import keys, queue
 from llmserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.e2e

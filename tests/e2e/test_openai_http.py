@@ -14,8 +14,8 @@ import pytest
 import redis
 from test_gateway_e2e import running_sequences, wait_until
 
-from llmserve import keys, queue
 from llmserve.loadgen.streams import PROMPTS
+from llmserve.protocol import keys, queue
 from llmserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.e2e

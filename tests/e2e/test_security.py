@@ -19,10 +19,10 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
+from llmserve.local.valkey import ValkeyServer
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc, worker_pb2, worker_pb2_grpc
-from llmserve.valkey import ValkeyServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

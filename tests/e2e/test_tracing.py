@@ -28,7 +28,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 from tests.conftest import TEST_TENANTS

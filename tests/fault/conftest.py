@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from llmserve import keys
-from llmserve.stack import Stack
+from llmserve.local.stack import Stack
+from llmserve.protocol import keys
 
 
 @pytest.fixture

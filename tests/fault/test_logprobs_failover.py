@@ -22,7 +22,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 from tests.conftest import TEST_TENANTS

@@ -24,9 +24,10 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve import keys, model_store, queue
+from llmserve.catalog import model_store
 from llmserve.client import Client, RetryPolicy
 from llmserve.loadgen.streams import PROMPTS, StreamLoad, mismatches, stall_s
+from llmserve.protocol import keys, queue
 from tests.conftest import TEST_TENANTS
 from tests.fault.up_process import UpProcess
 

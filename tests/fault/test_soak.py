@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.loadgen.soak import SoakConfig, soak
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
 

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from llmserve.loadgen.streams import PROMPTS, StreamLoad, mismatches
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
 from llmserve.v1 import inference_pb2 as pb
 from tests.conftest import TEST_TENANTS
 

@@ -11,7 +11,7 @@ import threading
 import openai
 import pytest
 
-from llmserve.stack import Stack, StackConfig
+from llmserve.local.stack import Stack, StackConfig
 from tests.conftest import TEST_TENANTS
 from tests.e2e.tools_cases import SHORT, assert_valid_call, obj, tool
 from tests.fault.test_structured_failover import busiest_worker

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from gpu_worker.model.architectures import SUPPORTED
-from llmserve.stack import ServiceProcess, Stack, StackConfig
-from llmserve.supervisor import REFUSED_EXIT_CODE, Supervisor
+from llmserve.local.stack import ServiceProcess, Stack, StackConfig
+from llmserve.local.supervisor import REFUSED_EXIT_CODE, Supervisor
 from tests.unit.tiny_models import GEMMA_TOKENS, write_gemma_tokenizer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

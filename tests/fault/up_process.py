@@ -21,8 +21,9 @@ from pathlib import Path
 
 import redis
 
-from llmserve import keys, model_store
-from llmserve.clock import now_ms
+from llmserve.catalog import model_store
+from llmserve.protocol import keys
+from llmserve.runtime.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 _UP_LINE = re.compile(r"llmserve is up: gateway at (\S+)\s+\(Redis (\S+)\)")

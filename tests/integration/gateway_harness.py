@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import redis
 
-from llmserve import keys, queue
+from llmserve.protocol import keys, queue
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 

@@ -1,7 +1,7 @@
 """The other side of the batcher's contract, for tests and bench/batcher.py.
 
 Plays the gateway (enqueue WorkItems) and the worker (heartbeats, reading and
-acking inbox batches, final events) through the queue protocol of `llmserve.queue`,
+acking inbox batches, final events) through the queue protocol of `llmserve.protocol.queue`,
 with a plain synchronous Redis client. Calls never block.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import redis
 from redis.exceptions import ResponseError
 
-from llmserve import keys, queue
-from llmserve.clock import now_ms
+from llmserve.protocol import keys, queue
+from llmserve.runtime.clock import now_ms
 from llmserve.v1 import inference_pb2, queue_pb2
 
 MODEL = "m"

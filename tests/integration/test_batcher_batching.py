@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 
 from batcher.config import BatcherSettings
 from batcher.service import BatcherService
-from llmserve import keys, queue
-from llmserve.prefix_hash import block_hashes
+from llmserve.protocol import keys, queue
+from llmserve.protocol.prefix_hash import block_hashes
 from llmserve.v1 import inference_pb2
 
 pytestmark = pytest.mark.timeout(60)

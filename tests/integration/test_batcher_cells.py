@@ -1,4 +1,4 @@
-"""Queue cells (llmserve/keys.py, queue_shards > 1): each cell's batch loop serves only its own
+"""Queue cells (llmserve/protocol/keys.py, queue_shards > 1): each cell's batch loop serves only its own
 workers, and a cell left without a live worker hands its work to a cell that has one
 (batcher/rehome.py). In-process batcher against real Valkey; the test plays the workers."""
 
@@ -8,7 +8,7 @@ import pytest
 import queue_harness as h
 from test_batcher_batching import start_batcher, until  # noqa: F401
 
-from llmserve import keys
+from llmserve.protocol import keys
 
 pytestmark = pytest.mark.timeout(90)
 CELLS = dict(queue_shards=2, max_batch=8, max_wait_ms=10.0, inbox_claim_idle_ms=0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import queue_harness as h
 
-from llmserve import keys
+from llmserve.protocol import keys
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 import queue_harness as h
 from test_batcher_batching import collect, ids, start_batcher, until  # noqa: F401
 
-from llmserve import keys
+from llmserve.protocol import keys
 
 pytestmark = pytest.mark.timeout(90)
 

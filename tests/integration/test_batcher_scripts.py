@@ -8,7 +8,8 @@ import pytest
 
 from batcher.events import DropReason, final_event
 from batcher.scripts import Scripts, Source
-from llmserve import keys, queue, redis_client
+from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
 from llmserve.v1 import inference_pb2, queue_pb2
 
 STREAM, INBOX, INBOXES = keys.work_stream("m", 2), keys.inbox_stream("m", "w1"), keys.inboxes_set("m")

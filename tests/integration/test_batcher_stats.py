@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from batcher.config import BatcherSettings
 from batcher.service import BatcherService
-from llmserve import keys
+from llmserve.protocol import keys
 from llmserve.v1 import inference_pb2
 
 pytestmark = pytest.mark.timeout(60)

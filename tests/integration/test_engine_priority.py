@@ -14,7 +14,7 @@ from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from llmserve.grammar import grammar_of
+from llmserve.protocol.grammar import grammar_of
 from llmserve.v1 import inference_pb2 as pb
 from tokenizer_svc.loader import load_tokenizer
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve import fencing, keys, queue, redis_client
+from llmserve.protocol import fencing, keys, queue
+from llmserve.runtime import redis_client
 from llmserve.v1 import queue_pb2
 
 TTL_S = 100

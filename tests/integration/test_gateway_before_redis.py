@@ -13,11 +13,11 @@ import pytest
 from gateway_harness import MODEL, ScriptedWorker, start_tokenizer_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve import redis_client
-from llmserve.stack import ServiceProcess
+from llmserve.local.stack import ServiceProcess
+from llmserve.local.valkey import ValkeyServer
+from llmserve.runtime import redis_client
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
-from llmserve.valkey import ValkeyServer
 from tests.conftest import TEST_TENANTS
 from tokenizer_svc.loader import load_tokenizer
 

@@ -11,9 +11,9 @@ from test_gateway_service import TENANTS
 
 from gateway.__main__ import build
 from gateway.config import GatewaySettings
-from llmserve import redis_client
 from llmserve.client import AsyncClient, Client, LLMServeError
-from llmserve.server import start_server
+from llmserve.runtime import redis_client
+from llmserve.runtime.server import start_server
 from tokenizer_svc.loader import load_tokenizer
 
 

@@ -21,9 +21,9 @@ from test_server_transport import make_cert
 
 from gateway.__main__ import build
 from gateway.config import GatewaySettings
-from llmserve import redis_client
-from llmserve.server import start_server
-from llmserve.valkey import ValkeyServer
+from llmserve.local.valkey import ValkeyServer
+from llmserve.runtime import redis_client
+from llmserve.runtime.server import start_server
 from tokenizer_svc.loader import load_tokenizer
 
 BODY_LIMIT = 512 * 1024

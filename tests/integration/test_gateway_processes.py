@@ -14,11 +14,11 @@ import pytest
 from gateway_harness import ANSWER, MODEL, ScriptedWorker
 
 from gateway.tenants import hash_key
-from llmserve import redis_client
-from llmserve.stack import ServiceProcess
+from llmserve.local.stack import ServiceProcess
+from llmserve.local.valkey import free_port
+from llmserve.runtime import redis_client
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
-from llmserve.valkey import free_port
 from tokenizer_svc.loader import load_tokenizer
 
 RATE, BURST, MAX_CONCURRENT = 5, 10, 4

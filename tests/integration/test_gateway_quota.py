@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gateway.quota import Limits, Quota, tenant_keys
-from llmserve import redis_client
+from llmserve.runtime import redis_client
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 CALLERS = textwrap.dedent("""
     import asyncio, json, sys, time, uuid
     from gateway.quota import Limits, Quota
-    from llmserve import redis_client
+    from llmserve.runtime import redis_client
 
     url, tenant, rps, burst, maxc, callers, window_s, hold_s, start_at = sys.argv[1:10]
     limits = Limits(tenant, float(rps), int(burst), 10**9, int(maxc))
@@ -57,7 +57,7 @@ CALLERS = textwrap.dedent("""
 HOLDER = textwrap.dedent("""
     import asyncio, sys
     from gateway.quota import Limits, Quota
-    from llmserve import redis_client
+    from llmserve.runtime import redis_client
 
     url, tenant, n, ttl = sys.argv[1:5]
     async def main():

@@ -17,8 +17,9 @@ from gateway.config import GatewaySettings
 from gateway.quota import tenant_keys
 from gateway.tenants import hash_key
 from gateway.validation import RequestLimits
-from llmserve import keys, redis_client
-from llmserve.server import start_server
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
+from llmserve.runtime.server import start_server
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 from tokenizer_svc.loader import load_tokenizer

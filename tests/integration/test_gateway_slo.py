@@ -17,8 +17,8 @@ from gateway.__main__ import build
 from gateway.config import GatewaySettings
 from gateway.slo_estimate import MIN_SAMPLES
 from gateway.tenants import hash_key
-from llmserve import redis_client
-from llmserve.server import start_server
+from llmserve.runtime import redis_client
+from llmserve.runtime.server import start_server
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 from tokenizer_svc.loader import load_tokenizer

@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from llmserve.stack import ServiceProcess
+from llmserve.local.stack import ServiceProcess
 from tests.conftest import TEST_TENANTS
 
 MODEL = "smollm2-135m"

@@ -1,5 +1,5 @@
 """Queue cells against real Valkey: live-worker counts, a worker's join, the gateway's cell choice and
-its load shedding over every cell (llmserve/queue_cells.py, gateway/shedding.py)."""
+its load shedding over every cell (llmserve/protocol/queue_cells.py, gateway/shedding.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import pytest
 import queue_harness as h
 
 from gateway.shedding import Shedder
-from llmserve import keys, queue_cells, redis_client
-from llmserve.errors import Unavailable
+from llmserve.protocol import keys, queue_cells
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import Unavailable
 from llmserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""WRONGTYPE is no outage (llmserve/redis_client.py): a key llmserve owns holding another type is
+"""WRONGTYPE is no outage (llmserve/runtime/redis_client.py): a key llmserve owns holding another type is
 not retried as if Redis were down, it fails the loop that met it at once, naming the error. On a
 real Valkey, the workers hash written as a string: the worker's heartbeat task raises on its first
 beat (with a give-up time far beyond the test's), and a `python -m batcher` process fails (exit 1,
@@ -13,8 +13,9 @@ import queue_harness as h
 
 from gpu_worker.engine.engine import EngineStats
 from gpu_worker.heartbeat import Heartbeat
-from llmserve import keys, redis_client
-from llmserve.stack import ServiceProcess
+from llmserve.local.stack import ServiceProcess
+from llmserve.protocol import keys
+from llmserve.runtime import redis_client
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Alias weights in a real Valkey (llmserve/routes.py): `up` seeds over a later route, a gateway
+"""Alias weights in a real Valkey (llmserve/catalog/routes.py): `up` seeds over a later route, a gateway
 seeds only what is missing, `route` validates; two versions of one GGUF share one tokenizer."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from llmserve import routes
-from llmserve.models_file import ModelsFileError, parse_models
+from llmserve.catalog import routes
+from llmserve.catalog.models_file import ModelsFileError, parse_models
 from tokenizer_svc.service import load_models
 
 V1, V2 = "smollm2-135m@v1", "smollm2-135m@v2"

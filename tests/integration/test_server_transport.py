@@ -1,4 +1,4 @@
-"""llmserve.server transport options over real gRPC: reflection on/off, TLS with a certificate
+"""llmserve.runtime.server transport options over real gRPC: reflection on/off, TLS with a certificate
 that is rotated on disk (as cert-manager does), and the plaintext health-only port."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from llmserve.server import start_server
-from llmserve.settings import CommonSettings
+from llmserve.runtime.server import start_server
+from llmserve.runtime.settings import CommonSettings
 
 
 class Idle:

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from llmserve import queue
 from llmserve.loadgen.soak import open_fds, rss_bytes, stream_lengths, take_sample
+from llmserve.protocol import queue
 
 
 def test_sample_counts_request_keys_and_missing_ttls(clean_redis):

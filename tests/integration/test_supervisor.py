@@ -10,9 +10,9 @@ import time
 
 import redis
 
-from llmserve.stack import ServiceProcess, Stack, StackConfig
-from llmserve.supervisor import RestartPolicy, Supervisor
-from llmserve.valkey import ValkeyServer
+from llmserve.local.stack import ServiceProcess, Stack, StackConfig
+from llmserve.local.supervisor import RestartPolicy, Supervisor
+from llmserve.local.valkey import ValkeyServer
 
 FAST = RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2, crash_loop_exits=5, crash_loop_window_s=60,
                      crash_loop_retry_s=0.5)

@@ -20,7 +20,8 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.requests import sampling_params
 from gpu_worker.worker_loop import WorkerLoop
-from llmserve import keys, queue, redis_client
+from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
 from llmserve.v1 import inference_pb2, queue_pb2
 from tokenizer_svc.loader import load_tokenizer
 

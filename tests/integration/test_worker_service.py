@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.model.loader import load_model
 from gpu_worker.requests import sampling_params
-from llmserve import keys, queue
+from llmserve.protocol import keys, queue
 from llmserve.v1 import inference_pb2, queue_pb2, worker_pb2, worker_pb2_grpc
 
 VOCAB, LAYERS, HIDDEN, INTER, HEADS, KV_HEADS = 256, 2, 64, 128, 4, 2

@@ -37,8 +37,8 @@ from test_worker_service import (  # noqa: F401  (model_dir, reference: fixtures
     wait_final,
 )
 
-from llmserve import keys
-from llmserve.valkey import ValkeyServer, free_port
+from llmserve.local.valkey import ValkeyServer, free_port
+from llmserve.protocol import keys
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batcher.config import BatcherSettings, BatchLimits
-from llmserve.settings import SettingsError
+from llmserve.runtime.settings import SettingsError
 
 
 def test_flags_and_per_model_overrides(tmp_path):

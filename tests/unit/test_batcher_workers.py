@@ -6,7 +6,7 @@ from batcher.batch_budget import BatchBudget
 from batcher.config import BatchLimits
 from batcher.fair_queue import Held
 from batcher.workers import Capacity, WorkerPool, blocks_needed, cached_run, leading_hashes
-from llmserve.prefix_hash import block_hashes
+from llmserve.protocol.prefix_hash import block_hashes
 from llmserve.v1 import inference_pb2, queue_pb2
 
 HIGH, NORMAL = inference_pb2.PRIORITY_HIGH, inference_pb2.PRIORITY_NORMAL

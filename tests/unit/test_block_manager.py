@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.sequence import SamplingParams, Sequence
-from llmserve.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes, chain_hash, root_hash
+from llmserve.protocol.prefix_hash import DISPATCH_PREFIX_BLOCKS, ROOT_HASH, block_hashes, chain_hash, root_hash
 
 BS = 4
 

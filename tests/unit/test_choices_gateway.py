@@ -8,7 +8,7 @@ import pytest
 
 from gateway import choices
 from gateway.validation import RequestLimits, validate_request
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 from tokenizer_svc.loader import load_tokenizer

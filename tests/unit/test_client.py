@@ -7,7 +7,7 @@ import pytest
 
 from llmserve.client import Chunk, ResumeCursor, RetryPolicy, StreamEnded, build_request, to_chunk
 from llmserve.client_results import to_completion
-from llmserve.errors import InvalidArgument, Unavailable
+from llmserve.runtime.errors import InvalidArgument, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 
 

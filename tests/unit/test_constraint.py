@@ -16,7 +16,7 @@ from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.sequence import FINISH_STOP, Failure, SamplingParams, Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
-from llmserve.grammar import grammar_of
+from llmserve.protocol.grammar import grammar_of
 from llmserve.v1 import inference_pb2 as pb
 from tokenizer_svc.loader import load_tokenizer
 

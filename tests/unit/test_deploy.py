@@ -34,15 +34,16 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from llmserve import keys, model_store
-from llmserve.settings import CommonSettings
+from llmserve.catalog import model_store
+from llmserve.protocol import keys
+from llmserve.runtime.settings import CommonSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KUSTOMIZATIONS = {"base": K8S / "base", "dev": K8S / "overlays" / "dev", "prod": K8S / "overlays" / "prod"}
 K8S_VERSION = "1.30.0"          # the oldest Kubernetes these manifests promise to work on (gRPC probes GA 1.27)
 SERVICES = ("gateway", "tokenizer_svc", "batcher", "gpu_worker")
-# LLMSERVE_* variables that are not settings: read by llmserve.model_store (where model files live).
+# LLMSERVE_* variables that are not settings: read by llmserve.catalog.model_store (where model files live).
 NON_SETTING_ENV = {"LLMSERVE_CACHE_DIR"}
 # Files the manifests mount (container path -> the repo file behind it), so settings that name them validate.
 MODELS_FILE = K8S / "base" / "models.yaml"
@@ -370,7 +371,7 @@ def test_compose_stop_grace_covers_drain():
 
 # -- wiring -----------------------------------------------------------------------------------------------------
 def test_models_file_is_mounted_where_the_services_read_it():
-    from llmserve.models_file import parse_models
+    from llmserve.catalog.models_file import parse_models
 
     config = parse_models(MODELS_FILE.read_text())
     for name, rendered in RENDERED.items():

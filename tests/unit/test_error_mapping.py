@@ -5,9 +5,9 @@ import pytest
 import redis.exceptions
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmserve import errors
-from llmserve.server import start_server
-from llmserve.settings import CommonSettings
+from llmserve.runtime import errors
+from llmserve.runtime.server import start_server
+from llmserve.runtime.settings import CommonSettings
 
 RAISERS = {
     b"invalid": lambda: errors.InvalidArgument("sampling.top_p", "must be in (0, 1]"),

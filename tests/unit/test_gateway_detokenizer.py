@@ -73,7 +73,7 @@ def test_builder_stop_string_across_tokens(tokenizer):
 
 
 def test_builder_error_event_raises_mapped_status(tokenizer):
-    from llmserve.errors import DeadlineExceeded
+    from llmserve.runtime.errors import DeadlineExceeded
     builder = OutputBuilder("r", tokenizer, [])
     with pytest.raises(DeadlineExceeded):
         builder.feed(queue_pb2.TokenEvent(index=0, final=True,
@@ -89,7 +89,7 @@ def test_completion_cut_inside_a_character_ends_without_replacement_char(tokeniz
 
 
 def test_builder_never_finishes_over_a_gap(tokenizer):
-    from llmserve.errors import Unavailable
+    from llmserve.runtime.errors import Unavailable
     ids = tokenizer.encode("one two three four five six", add_special_tokens=False).ids
     evs = events(ids, 2)
     builder = OutputBuilder("r", tokenizer, [])
@@ -119,7 +119,7 @@ def test_builder_takes_a_rerun_that_repeats_the_same_tokens(tokenizer):
 
 
 def test_builder_refuses_to_splice_a_rerun_that_diverged(tokenizer):
-    from llmserve.errors import Unavailable
+    from llmserve.runtime.errors import Unavailable
     ids = tokenizer.encode("one two three four five six", add_special_tokens=False).ids
     other = tokenizer.encode("one two seven eight nine ten", add_special_tokens=False).ids
     builder = OutputBuilder("r", tokenizer, [])

@@ -3,7 +3,7 @@
 import pytest
 
 from gateway.tenants import TenantRegistry, TenantsError, hash_key, parse_tenants
-from llmserve.errors import Unauthenticated
+from llmserve.runtime.errors import Unauthenticated
 from llmserve.v1 import inference_pb2 as pb
 
 DOC = f"""

@@ -5,7 +5,7 @@ import pytest
 
 from gateway.validation import RequestLimits, check_input, resolve_sampling, validate_request
 from gateway.wire import SCHEMAS, Unparsable, lenient, locate_bad_utf8
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 LIMITS = RequestLimits(max_prompt_bytes=100, max_messages=3, max_stop_strings=8, max_stop_chars=5,

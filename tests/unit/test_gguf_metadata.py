@@ -2,7 +2,7 @@
 EOS set and BOS for the same file, and the same defaults when the file leaves them out."""
 
 from gpu_worker.model.gguf_loader import read_config
-from llmserve.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
+from llmserve.catalog.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
 from tokenizer_svc.loader import load_gguf
 
 

@@ -1,4 +1,4 @@
-"""response_format -> grammar (llmserve.grammar) and its admission check in the gateway:
+"""response_format -> grammar (llmserve.protocol.grammar) and its admission check in the gateway:
 invalid formats name `sampling.response_format`, sizes are bounded, repeats hit the cache."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from gateway.response_format import FormatCompiler
 from gateway.validation import RequestLimits, resolve_sampling, validate_request
 from gpu_worker.requests import sampling_params, validate_item
-from llmserve.errors import InvalidArgument
-from llmserve.grammar import GrammarCache, GrammarError, grammar_of
+from llmserve.protocol.grammar import GrammarCache, GrammarError, grammar_of
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

@@ -120,4 +120,4 @@ def test_no_import_cycles():
 def test_the_checks_see_a_cycle_and_a_crossing():
     graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "b": {"a.x"}}
     assert _cycles(graph) == [["a.x", "a.y", "a.z"]]
-    assert "gateway.flow" in _graph() and "llmserve.vocabulary" in _graph()["gpu_worker.engine.constraint"]
+    assert "gateway.flow" in _graph() and "llmserve.catalog.vocabulary" in _graph()["gpu_worker.engine.constraint"]

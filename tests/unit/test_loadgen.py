@@ -21,7 +21,7 @@ from llmserve.loadgen.workload import (
     parse_dist,
     poisson_arrivals,
 )
-from llmserve.slo import Targets
+from llmserve.protocol.slo import Targets
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc
 

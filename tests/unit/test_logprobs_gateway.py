@@ -9,7 +9,7 @@ from gateway import logprobs
 from gateway.detokenizer import TokenTexts
 from gateway.openai_wire import parse_chat, parse_completion
 from gateway.output import OutputBuilder
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 from tokenizer_svc.loader import load_tokenizer

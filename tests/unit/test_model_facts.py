@@ -16,7 +16,7 @@ from gpu_worker.engine.engine import EngineStats
 from gpu_worker.heartbeat import Heartbeat
 from gpu_worker.model.loader import load_model
 from gpu_worker.ops.cpu import block_linear, kquant_linear
-from llmserve.models_file import from_setting
+from llmserve.catalog.models_file import from_setting
 
 MODEL = "tiny@v1"
 kernels = pytest.mark.skipif(block_linear.library() is None or kquant_linear.library() is None,

@@ -7,11 +7,11 @@ import pytest
 
 from gateway.model_router import Router
 from gateway.tenants import parse_tenant
-from llmserve import model_store
+from llmserve.catalog import model_store
+from llmserve.catalog.models_file import ModelsFileError, from_setting, parse_models
 from llmserve.cli import parse_targets
-from llmserve.errors import NotFound
-from llmserve.models_file import ModelsFileError, from_setting, parse_models
-from llmserve.seeded_pick import weighted_pick
+from llmserve.protocol.seeded_pick import weighted_pick
+from llmserve.runtime.errors import NotFound
 
 V1, V2 = "smollm2-135m@v1", "smollm2-135m@v2"
 FILE = f"""

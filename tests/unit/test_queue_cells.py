@@ -1,10 +1,10 @@
-"""Which queue cell a worker joins and a request goes to (llmserve/queue_cells.py)."""
+"""Which queue cell a worker joins and a request goes to (llmserve/protocol/queue_cells.py)."""
 
 from __future__ import annotations
 
 import math
 
-from llmserve.queue_cells import cell_for_request, cell_to_join
+from llmserve.protocol.queue_cells import cell_for_request, cell_to_join
 
 
 def test_a_worker_joins_the_cell_with_fewest_live_workers():

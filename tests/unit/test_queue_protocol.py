@@ -3,7 +3,8 @@ error written into a final event comes back as the same error class."""
 
 import pytest
 
-from llmserve import errors, queue
+from llmserve.protocol import queue
+from llmserve.runtime import errors
 from llmserve.v1 import queue_pb2
 
 

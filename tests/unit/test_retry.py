@@ -5,9 +5,9 @@ import grpc
 import pytest
 import redis.exceptions
 
-from llmserve import retry
-from llmserve.errors import InvalidArgument, Unavailable
-from llmserve.retry import is_retryable, retrying, retrying_sync
+from llmserve.runtime import retry
+from llmserve.runtime.errors import InvalidArgument, Unavailable
+from llmserve.runtime.retry import is_retryable, retrying, retrying_sync
 
 
 class StatusError(grpc.RpcError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gpu_worker.engine.block_manager import BlockManager
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import SamplingParams, Sequence, SequenceStatus
-from llmserve.slo import Targets
+from llmserve.protocol.slo import Targets
 from llmserve.v1 import inference_pb2
 
 BS = 4

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from llmserve.settings import CommonSettings, SettingsError, require, setting
+from llmserve.runtime.settings import CommonSettings, SettingsError, require, setting
 
 
 @dataclass

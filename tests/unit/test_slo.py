@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gateway.tenants import TenantsError, parse_tenant
-from llmserve.slo import NO_DEADLINE, Targets, item_deadline_ms, mean_tpot_ms, next_token_deadline_ms
+from llmserve.protocol.slo import NO_DEADLINE, Targets, item_deadline_ms, mean_tpot_ms, next_token_deadline_ms
 from llmserve.v1 import queue_pb2
 
 TENANT = {"id": "t", "requests_per_second": 1, "burst": 1, "tokens_per_minute": 100, "max_concurrent": 1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from llmserve.tasks import TaskEnded, TaskSupervisor
+from llmserve.runtime.tasks import TaskEnded, TaskSupervisor
 
 
 async def _forever() -> None:

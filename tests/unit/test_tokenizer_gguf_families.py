@@ -18,7 +18,7 @@ import gguf
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from llmserve.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN
+from llmserve.catalog.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN
 from tokenizer_svc.loader import load_tokenizer
 
 pytest.importorskip("transformers")

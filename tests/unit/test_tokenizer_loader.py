@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from llmserve.vocabulary import gguf_fields
+from llmserve.catalog.vocabulary import gguf_fields
 from tokenizer_svc.chat_template import ChatTemplateError
 from tokenizer_svc.loader import load_tokenizer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as ipb
 from llmserve.v1 import tokenizer_pb2 as pb
 from tokenizer_svc import protocol

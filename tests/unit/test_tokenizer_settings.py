@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.settings import SettingsError
+from llmserve.runtime.settings import SettingsError
 from tokenizer_svc.__main__ import main
 from tokenizer_svc.config import TokenizerSettings
 

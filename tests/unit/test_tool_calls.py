@@ -13,7 +13,7 @@ from gateway.response_format import FormatCompiler
 from gateway.tool_calls import MAX_TOOLS, Mode, check_tools, grammar_of, mode_of, tool_spec
 from gateway.tool_stream import ToolCallParser, ToolCallStream, call_id, openai_deltas
 from gateway.validation import RequestLimits, validate_request
-from llmserve.errors import InvalidArgument
+from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 from tokenizer_svc.loader import load_tokenizer
 

@@ -1,4 +1,4 @@
-"""llmserve/tracing.py: off makes nothing; on, spans reach a real OTLP/HTTP receiver (in this
+"""llmserve/runtime/tracing.py: off makes nothing; on, spans reach a real OTLP/HTTP receiver (in this
 process) continuing the caller's trace, and log lines name them; the GenAI metrics."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from gateway import metrics
 from gpu_worker.engine.sequence import SequenceStatus
 from gpu_worker.request_spans import RequestSpans
 from gpu_worker.requests import Tracked
-from llmserve import tracing
-from llmserve.log import configure_logging
+from llmserve.runtime import tracing
+from llmserve.runtime.log import configure_logging
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2
 

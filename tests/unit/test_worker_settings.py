@@ -1,7 +1,7 @@
 import pytest
 
 from gpu_worker.config import WorkerSettings
-from llmserve.settings import SettingsError
+from llmserve.runtime.settings import SettingsError
 
 
 def test_admin_address_never_advertises_a_wildcard_bind():

@@ -26,7 +26,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from llmserve import model_store
+from llmserve.catalog import model_store
 
 logger = structlog.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """A model's vocabulary, loaded one way for every service that needs one: the tokenizer service
 (encode, decode, chat templates) and the worker (the token table of its grammar store).
 
-    vocab = load_vocabulary(Path("SmolLM2-135M-Instruct.Q4_1.gguf"))   # tokenizer.ggml.* (llmserve/gguf_vocab.py)
+    vocab = load_vocabulary(Path("SmolLM2-135M-Instruct.Q4_1.gguf"))   # tokenizer.ggml.* (llmserve/catalog/gguf_vocab.py)
     vocab = load_vocabulary(Path("some-hf-model/"))                    # tokenizer.json + its config files
     vocab.tokenizer, vocab.eos_token_ids, vocab.bos_token, vocab.eos_token, vocab.named_tokens
 
@@ -18,8 +18,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from llmserve.gguf_metadata import read_metadata
-from llmserve.gguf_vocab import build_tokenizer, read_vocab
+from llmserve.catalog.gguf_metadata import read_metadata
+from llmserve.catalog.gguf_vocab import build_tokenizer, read_vocab
 
 NAMED_TOKENS = ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _GGUF_NAMED_TOKENS = {

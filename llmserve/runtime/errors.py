@@ -1,6 +1,6 @@
 """Domain errors and the exact gRPC status code each maps to (README: "Status codes").
 
-Services raise these; the one exception interceptor of `llmserve.server` turns
+Services raise these; the one exception interceptor of `llmserve.runtime.server` turns
 them into gRPC statuses. Anything else escaping a handler is a bug: logged with
 its stack and answered INTERNAL.
 """

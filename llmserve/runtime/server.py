@@ -36,10 +36,10 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from llmserve import redis_client, tracing
-from llmserve.errors import ServiceError, Unavailable
-from llmserve.settings import CommonSettings
-from llmserve.tasks import cancel_and_wait
+from llmserve.runtime import redis_client, tracing
+from llmserve.runtime.errors import ServiceError, Unavailable
+from llmserve.runtime.settings import CommonSettings
+from llmserve.runtime.tasks import cancel_and_wait
 
 logger = structlog.get_logger(__name__)
 FAILED_CLOSE_S = 10.0   # how long a failed service may take to close before it exits regardless

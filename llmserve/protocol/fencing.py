@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmserve import keys, queue, redis_client
+from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
 from llmserve.v1 import queue_pb2
 
 ISSUED, FENCE = "issued", "fence"

@@ -1,6 +1,6 @@
 """The Redis queue protocol's one owner: what an entry of each stream holds, how it is
 encoded and decoded, consumer-group creation, ack-and-delete, the expiry predicate, and the
-final events that end a request with a typed error. Key names live in `llmserve.keys`.
+final events that end a request with a typed error. Key names live in `llmserve.protocol.keys`.
 
     work stream   {ITEM_FIELD: WorkItem}     gateway XADD ─▶ batcher (group keys.WORK_GROUP)
     inbox stream  {BATCH_FIELD: Batch}       batcher ─▶ one worker (group keys.INBOX_GROUP)
@@ -18,9 +18,9 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from redis.exceptions import ResponseError
 
-from llmserve import redis_client
-from llmserve.clock import now_ms
-from llmserve.errors import (
+from llmserve.runtime import redis_client
+from llmserve.runtime.clock import now_ms
+from llmserve.runtime.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,

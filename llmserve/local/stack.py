@@ -31,9 +31,10 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import llmserve
-from llmserve import model_store, redis_client, routes
-from llmserve.models_file import ModelsConfig, ServedModel, from_specs, load_models_file
-from llmserve.valkey import ValkeyServer
+from llmserve.catalog import model_store, routes
+from llmserve.catalog.models_file import ModelsConfig, ServedModel, from_specs, load_models_file
+from llmserve.local.valkey import ValkeyServer
+from llmserve.runtime import redis_client
 
 logger = structlog.get_logger(__name__)
 
@@ -54,7 +55,7 @@ STOP_ORDER = ("gateway", "batcher", "gpu_worker", "tokenizer_svc")
 class StackConfig:
     model: str = model_store.DEFAULT_MODEL
     workers: int = 1
-    models_file: Path | None = None   # versions and aliases (llmserve/models_file.py); then model/workers are unused
+    models_file: Path | None = None   # versions and aliases (llmserve/catalog/models_file.py); then model/workers are unused
     gateways: int = 1
     device: str = "auto"
     quantization: str = ""            # worker weight format (--quantization); "" = the worker's default
@@ -237,7 +238,7 @@ class Stack:
 
     @property
     def queue_shards(self) -> int:
-        """The queue cells per model the services run with (llmserve/keys.py)."""
+        """The queue cells per model the services run with (llmserve/protocol/keys.py)."""
         return int(self._env().get("LLMSERVE_QUEUE_SHARDS", "1"))
 
     def named(self, prefix: str) -> list[ServiceProcess]:

@@ -13,7 +13,7 @@ runs on Redis Cluster:
     llmserve:{r:<tenant>:<id>}:cancel        exists once the request is cancelled
     llmserve:{r:<tenant>:<id>}:cancel:<i>    exists once choice i (n > 1) ended at the gateway
     llmserve:{r:<tenant>:<id>}:meta          hash: owner, created, state (TTL, renewed by event writes)
-    llmserve:{r:<tenant>:<id>}:epoch         hash: issued, fence (fencing tokens, see llmserve/fencing.py)
+    llmserve:{r:<tenant>:<id>}:epoch         hash: issued, fence (fencing tokens, see llmserve/protocol/fencing.py)
     llmserve:{t:<tenant>}:rate|tokens|leases per-tenant quota state
 
 Queue shards: one `{m:<model>}` slot carries all of a model's queue traffic, so on a
@@ -68,7 +68,7 @@ def inboxes_set(model: str, shard: int = 0) -> str:
 
 
 def cell_joins(model: str) -> str:
-    """A counter each joining worker increments (llmserve/queue_cells.py breaks ties with it)."""
+    """A counter each joining worker increments (llmserve/protocol/queue_cells.py breaks ties with it)."""
     return f"{PREFIX}:{queue_tag(model)}:cell_joins"
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from llmserve import redis_client
-from llmserve.models_file import ModelsConfig, ModelsFileError, check_weights
+from llmserve.catalog.models_file import ModelsConfig, ModelsFileError, check_weights
+from llmserve.runtime import redis_client
 
 PREFIX = "llmserve:routes"
 CATALOG_KEY = f"{PREFIX}:catalog"

@@ -13,9 +13,9 @@ marks its slot map stale and the next command reloads it), while MOVED, ASK and 
 are followed, because a node that answers with a redirect did not run the command. A
 failover in progress (CLUSTERDOWN) is raised as `UNAVAILABLE_ERRORS`, like a dropped
 connection. `UNAVAILABLE_ERRORS` is the one list of "Redis cannot take commands right now" for
-every service (llmserve/retry.py, the status mapping of llmserve/server.py, the worker and
+every service (llmserve/runtime/retry.py, the status mapping of llmserve/runtime/server.py, the worker and
 batcher loops). Multi-key commands, scripts and MULTI must keep their keys in one hash slot
-(llmserve/keys.py); the cluster client refuses any that do not before sending them.
+(llmserve/protocol/keys.py); the cluster client refuses any that do not before sending them.
 
 WRONGTYPE is not among them: Redis is up and answered that a key llmserve owns holds another type
 (another application writing under `llmserve:`, a stray SET by hand, two llmserve versions that

@@ -10,7 +10,7 @@
 
 A task that raises, or returns while it must not, is logged with its stack and handed to
 `on_failure` once (the first failure wins); the service then sets `failure` and its stop
-event, and `llmserve.server.serve` turns health NOT_SERVING and exits 1, so the supervisor
+event, and `llmserve.runtime.server.serve` turns health NOT_SERVING and exits 1, so the supervisor
 (`llmserve up`, Kubernetes) replaces the process instead of it running on without the task.
 """
 

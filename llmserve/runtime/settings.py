@@ -167,7 +167,7 @@ class CommonSettings(BaseSettings):
     health_port: int = setting(0, "extra plaintext port serving grpc.health.v1 only, for probes that cannot "
                                   "speak TLS (kubelet); 0 = none")
     queue_shards: int = setting(1, "independent queue cells per model, each in its own Redis Cluster slot "
-                                   "(gateways, batchers and workers must agree; see llmserve/keys.py)")
+                                   "(gateways, batchers and workers must agree; see llmserve/protocol/keys.py)")
 
     def validate(self) -> None:
         super().validate()

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import structlog
 
-from llmserve.stack import ServiceProcess, Stack
+from llmserve.local.stack import ServiceProcess, Stack
 
 logger = structlog.get_logger(__name__)
 

@@ -15,8 +15,8 @@ from typing import overload
 import grpc
 import tenacity
 
-from llmserve import redis_client
-from llmserve.errors import Unavailable
+from llmserve.runtime import redis_client
+from llmserve.runtime.errors import Unavailable
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
 

@@ -2,7 +2,7 @@
 
 Used where a request must land on the same target on a retry or a resume without any stored
 state: the model version behind an alias (gateway/model_router.py) and the queue cell of a request
-(llmserve/queue_cells.py).
+(llmserve/protocol/queue_cells.py).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from llmserve.log import service_version
+from llmserve.runtime.log import service_version
 from llmserve.v1 import inference_pb2, queue_pb2
 
 logger = structlog.get_logger(__name__)

@@ -3,7 +3,7 @@
 Every line carries `service` and `version` (the package's). Handlers bind
 `request_id`, `tenant` and `model` with `bind_request()` / `bind_model()`; structlog's
 contextvars keep the binding per asyncio task, so concurrent requests never see
-each other's context. While a span is current (tracing on, llmserve/tracing.py) a line
+each other's context. While a span is current (tracing on, llmserve/runtime/tracing.py) a line
 also carries its `trace_id` and `span_id`, as the exporter writes them (hex).
 """
 

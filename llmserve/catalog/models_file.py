@@ -15,7 +15,7 @@ worker counts, and which aliases route to them by integer weight.
 Services take the same data through their `models` setting: `@FILE` names a models file;
 anything else is a comma list of model specs (`smollm2-135m`, a path, or `ID=PATH`), the first
 the default and no aliases — which is what every service did before there was a models file.
-A spec `ID=PATH` serves the weights at PATH under the id ID (llmserve.model_store).
+A spec `ID=PATH` serves the weights at PATH under the id ID (llmserve.catalog.model_store).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from llmserve import model_store
+from llmserve.catalog import model_store
 
 # NAME@VERSION; names and versions stay clear of Redis hash-tag braces, spaces, commas and '='
 ID_PART = r"[A-Za-z0-9][A-Za-z0-9._\-]*"

@@ -1,0 +1,2 @@
+"""The stack on one machine (`llmserve up`): Valkey, the service processes, their supervisor.
+"""
