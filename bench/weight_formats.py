@@ -182,28 +182,13 @@ class LlamaServerSide:
     name = "llama-server"
 
     def __init__(self, binary: str, model: str, slots: int, slot_tokens: int, log: Path) -> None:
-        from llmserve.local.valkey import free_port
+        from bench.openai_standard import LlamaServer
 
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.command = [binary, "-m", model, "-t", "2", "-tb", "2", "--parallel", str(slots),
-                        "-c", str(slots * slot_tokens), "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
-        self.log = log.open("w")
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
-        self._wait_ready()
+        self.server = LlamaServer(binary, Path(model), slots, slot_tokens,
+                                  argparse.Namespace(llama_threads=2, llama_args="-tb 2"), log)
+        self.url = self.server.url
+        self.server.wait_ready()
         self._complete([1, 2, 3, 4, 5, 6, 7, 8], 2)  # warm-up, as the engine's
-
-    def _wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError(f"llama-server not ready after {timeout_s:.0f} s; see {self.log.name}")
 
     def _complete(self, prompt: list[int], tokens: int) -> dict:
         body = json.dumps({"prompt": prompt, "n_predict": tokens, "ignore_eos": True, "cache_prompt": False,
@@ -230,9 +215,7 @@ class LlamaServerSide:
         return float(self._complete(prompt, 1)["prompt_per_second"])
 
     def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-        self.log.close()
+        self.server.close()
 
 
 def measure_round(side, streams: list[int], args: argparse.Namespace, seed: int) -> dict[str, float]:
