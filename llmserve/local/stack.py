@@ -356,6 +356,10 @@ class Stack:
             proc.popen.kill()
             proc.popen.wait()
 
+    def retire(self, name: str) -> int | None:
+        """Stop one service gracefully and forget it; returns its exit code."""
+        return self.services.pop(name).stop()
+
     def stop(self) -> dict[str, int | None]:
         """Stop every service gracefully (front door first), then Valkey. Returns exit codes."""
         codes: dict[str, int | None] = {}

@@ -71,18 +71,18 @@ def test_n_choices_with_logprobs(sdk):
     assert [lp for c in chunks if c.choice_index == 1 for lp in c.logprobs] == list(whole.choices[1].logprobs)
 
 
-def test_a_tool_calling_stream_of_two_choices_resumes_across_a_gateway_restart(sdk, stack):
+def test_a_tool_calling_stream_of_two_choices_resumes_across_a_gateway_restart(sdk, own_gateways):
     params = dict(messages=ASK, tool_choice="required", n=2, seed=5, temperature=1.0, **TOOLS)
     reference = sdk.complete(**params)
-    doomed = stack.start_gateway()
+    doomed = own_gateways.start_gateway()
     doomed.wait_serving(time.monotonic() + 120)
     chunks = []
     with Client(doomed.target, api_key="dev-key") as client:
         for chunk in client.generate(**params):
             chunks.append(chunk)
             if len(chunks) == 3:
-                stack.kill(doomed.name)
-                stack.start_gateway(doomed.port).wait_serving(time.monotonic() + 120)
+                own_gateways.kill(doomed.name)
+                own_gateways.start_gateway(doomed.port).wait_serving(time.monotonic() + 120)
     expected = {c.index: (c.token_ids, tuple((t.name, t.arguments) for t in c.tool_calls), c.finish_reason)
                 for c in reference.choices}
     assert len(chunks) > 3 and per_choice(chunks) == expected    # every index and every call exactly once

@@ -76,15 +76,15 @@ def test_deadline_exceeded_in_time_and_worker_stops(inference, auth_metadata, va
     assert wait_until(lambda: running_sequences(valkey_client, stack.model_id, stack.queue_shards) == 0)
 
 
-def test_resume_after_kill_9_of_gateway_mid_stream(inference, auth_metadata, stack):
+def test_resume_after_kill_9_of_gateway_mid_stream(inference, auth_metadata, own_gateways):
     reference = inference.Complete(story("e2e-ref-" + uuid.uuid4().hex[:8]), metadata=auth_metadata, timeout=300)
-    doomed = stack.start_gateway()
+    doomed = own_gateways.start_gateway()
     doomed.wait_serving(time.monotonic() + 120)
     rid = "e2e-resume-" + uuid.uuid4().hex[:8]
     with grpc.insecure_channel(doomed.target) as channel:
         call = inference_pb2_grpc.InferenceStub(channel).Generate(story(rid), metadata=auth_metadata, timeout=300)
         before = [next(call) for _ in range(4)]
-        stack.kill(doomed.name)
+        own_gateways.kill(doomed.name)
         with pytest.raises(grpc.RpcError):
             list(call)
     next_index = before[-1].index + len(before[-1].token_ids)
@@ -100,9 +100,9 @@ def test_resume_after_kill_9_of_gateway_mid_stream(inference, auth_metadata, sta
     assert chunks[-1].finish_reason == reference.finish_reason
 
 
-def test_client_sdk_resumes_across_gateway_restart(auth_metadata, stack):
+def test_client_sdk_resumes_across_gateway_restart(auth_metadata, own_gateways):
     """kill -9 the client's gateway, start a new one on the same port: the SDK resumes by itself."""
-    doomed = stack.start_gateway()
+    doomed = own_gateways.start_gateway()
     doomed.wait_serving(time.monotonic() + 120)
     client = Client(doomed.target, api_key="dev-key")
     reference = client.complete(messages=[{"role": "user", "content": STORY[0].content}], temperature=0.0,
@@ -112,9 +112,9 @@ def test_client_sdk_resumes_across_gateway_restart(auth_metadata, stack):
                                  max_new_tokens=GREEDY_LONG.max_new_tokens, timeout=300):
         chunks.append(chunk)
         if len(chunks) == 4:
-            stack.kill(doomed.name)
+            own_gateways.kill(doomed.name)
             # the replacement is serving before the client's next read, so its retry budget is not what is tested
-            stack.start_gateway(doomed.port).wait_serving(time.monotonic() + 120)
+            own_gateways.start_gateway(doomed.port).wait_serving(time.monotonic() + 120)
     client.close()
     assert [c.index for c in chunks] == [sum(len(x.token_ids) for x in chunks[:i]) for i in range(len(chunks))]
     assert "".join(c.text for c in chunks) == reference.text
