@@ -1,8 +1,9 @@
 """Every decoder layer of a CPU step in one C call (ops/cpu/step_layers.c), in place of the model's layers.
 
 `StepLayers.build(model)` is what the runner keeps where this applies: an fp32 model whose layers'
-four GEMM weights are all Q4_1 blocks (int4 on the block kernel, the CPU default, as
-CpuBackend.prepare_weights leaves them), without a QKV bias. `takes(...)` says whether a step can
+four GEMM weights are all on the C kernels (int4 on the block kernel, the CPU default, as
+CpuBackend.prepare_weights leaves them, or a GGUF file's own blocks in any mix of types across
+weights), without a QKV bias. `takes(...)` says whether a step can
 run here (an fp32 KV cache): decodes, prefill chunks and both together. The C file calls the same
 kernels the Python path (llama.py over the CPU backend) calls, so both give the same bits for a
 token. A prefill step of
@@ -22,7 +23,7 @@ from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import GEMMS, LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.ops.cpu import block_linear, build, paged_attention, step_layers
-from gpu_worker.ops.weights.quantized_linear import Q4_1Weight
+from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight
 
 NORMS = ("input_norm", "post_norm")
 
@@ -35,33 +36,33 @@ class StepLayers:
     """The layers of one prepacked model as the C file takes them: pointers to its weights, which
     stay where they are from now on (a prepacked model is inference-only; `_tensors` keeps them alive)."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, weights: list[tuple[step_layers.Weight, list[torch.Tensor]]]) -> None:
+        """weights: describe() of every layer's GEMMS, in order."""
         library = step_layers.library()
         assert library is not None, "build() checks that the kernel is built"
-        self._run = library.step_layers_q4_1_f32
+        self._run = library.step_layers_f32
         self.config = model.config
         self.num_layers = len(model.layers)
-        weights = [getattr(layer, name) for layer in model.layers for name in GEMMS]
         norms = [getattr(layer, name) for layer in model.layers for name in NORMS]
         self._cos_sin = model.cos_sin.contiguous()
-        self._tensors = [self._cos_sin, *norms, *(t for w in weights for t in (w.codes, w.scales, w.offsets))]
-        self._weights = _pointers([w.codes for w in weights])
-        self._scales = _pointers([w.scales for w in weights])
-        self._offsets = _pointers([w.offsets for w in weights])
+        self._tensors = [self._cos_sin, *norms, *(t for _, tensors in weights for t in tensors)]
+        self._weights = (step_layers.Weight * len(weights))(*(w for w, _ in weights))
         self._norms = _pointers(norms)
 
     @classmethod
     def build(cls, model: LlamaModel) -> StepLayers | None:
         """The model's layers for the C file, or None where it does not apply to this model."""
         layers = model.layers
-        applies = (  # the kernel is built last: only where the weights are its own
+        weights = [describe(getattr(layer, name)) for layer in layers for name in GEMMS]
+        described = [w for w in weights if w is not None]
+        applies = (  # the kernel is built last: only where the weights are on its kernels
             model.config.llama_layers  # plain Llama layers: no q/k norms, windows, soft-caps, GeGLU (Gemma, Qwen3)
             and model.dtype == torch.float32
             and all(layer.qkv_bias is None for layer in layers)
-            and all(isinstance(getattr(layer, name), Q4_1Weight) for layer in layers for name in GEMMS)
+            and len(described) == len(weights)
             and step_layers.library() is not None
         )
-        return cls(model) if applies else None
+        return cls(model, described) if applies else None
 
     def takes(self, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
         """Whether this step can run here: int64 positions and slots, an fp32 cache."""
@@ -80,7 +81,7 @@ class StepLayers:
             rc = self._run(
                 self.num_layers, h.shape[0], c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                 c.intermediate_size, h.data_ptr(), out.data_ptr(), residual.data_ptr(),
-                self._weights, self._scales, self._offsets, self._norms,
+                self._weights, self._norms,
                 _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
                 positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],
@@ -89,6 +90,25 @@ class StepLayers:
         if rc != 0:
             raise MemoryError("cpu step layers: no memory for the step's scratch")
         return out, residual
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def describe(weight: object) -> tuple[step_layers.Weight, list[torch.Tensor]] | None:
+    """A GEMM weight as the C file takes it, and the tensors it points into (to keep alive); None for a
+    weight on no C kernel (fp32, torch's int8, parts of several formats)."""
+    if isinstance(weight, BlockWeight):
+        tensors = [t for t in (weight.codes, weight.scales, weight.offsets) if t is not None]
+        return step_layers.Weight(step_layers.KINDS.index(weight.kind), weight.codes.data_ptr(), weight.scales.data_ptr(),
+                      _address(weight.offsets), None, None), tensors
+    if isinstance(weight, KQuantWeight):
+        p = weight.packed
+        tensors = [t for t in (p.codes, p.d, p.offset, p.sc, p.mn) if t is not None]
+        return step_layers.Weight(step_layers.KINDS.index(p.kind), p.codes.data_ptr(), p.d.data_ptr(), p.offset.data_ptr(),
+                      _address(p.sc), _address(p.mn)), tensors
+    return None
 
 
 def _token_queries(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from gguf.quants import dequantize, quantize
 
 from gpu_worker.model import gguf_loader
 from gpu_worker.model.kv_cache import KVCache
-from gpu_worker.model.llama import LlamaModel
+from gpu_worker.model.llama import GEMMS, LlamaModel
 from gpu_worker.model.loader import load_model
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.ops.cpu import block_linear, kquant_linear
@@ -120,10 +120,12 @@ def _meta(positions: list[int], decode: bool) -> AttentionMetadata:
     )
 
 
-def steps(model: LlamaModel) -> torch.Tensor:
+def steps(model: LlamaModel, in_c: bool = True) -> torch.Tensor:
     """Logits of a 10-token prefill (every position) and two decode steps through the model runner (the
-    one-call C step where it takes the model): [12, V]."""
+    one-call C step where it takes the model, unless not in_c): [12, V]."""
     runner = ModelRunner(model, KVCache.allocate(model.config, 4, 16, torch.float32, "cpu"))
+    if not in_c:
+        runner.step_layers = None
     ids = [3, 17, 5, 90, 44, 2, 61, 8, 8, 30, 71, 12]
     out = [runner.forward(torch.tensor(ids[:10]), torch.arange(10), _meta(list(range(10)), False))]
     for p in (10, 11):
@@ -149,12 +151,13 @@ def test_a_k_quant_mix_keeps_its_formats_and_gives_the_dequantized_logits(tmp_pa
     path = write_gguf(tmp_path / "mix.gguf", MIX, embed=T.Q6_K, head=T.F16)
     model = load_model(path, "cpu", torch.float32, quantization="auto")
     first, second = model.layers
-    assert isinstance(first.qkv_weight, RowsWeight) and isinstance(second.qkv_weight, RowsWeight)
-    for weight in (first.o_weight, first.gate_up_weight, first.down_weight, second.o_weight):
-        assert type(weight) is KQuantWeight
+    assert isinstance(first.qkv_weight, RowsWeight)  # Q4_K, Q3_K and Q6_K rows
+    assert type(first.o_weight) is KQuantWeight and type(first.gate_up_weight) is KQuantWeight
+    assert type(first.down_weight) is Q8_0Weight and type(second.qkv_weight) is Q8_0Weight  # Q5_0 (and Q8_0)
+    assert type(second.o_weight) is Q4_1Weight  # Q4_0
     assert isinstance(second.gate_up_weight, RowsWeight)  # Q5_1 gate beside a Q4_1 up
     assert second.down_weight.is_mkldnn and model.lm_head.is_mkldnn  # BF16 and F16: prepacked fp32
-    assert StepLayers.build(model) is None  # the one-call step takes Q4_1 layers only: the Python path runs
+    assert StepLayers.build(model) is None  # parts of several formats in one weight: the Python path runs
     assert not (tmp_path / "cache" / "converted").exists()  # no dequantized copy of the file
     assert_close_logits(model, dequantized_model(path))
 
@@ -164,6 +167,31 @@ def test_a_q4_1_file_still_runs_all_layers_in_one_c_call(tmp_path):
     model = load_model(path, "cpu", torch.float32, quantization="auto")
     assert type(model.layers[0].qkv_weight) is Q4_1Weight and type(model.lm_head) is Q8_0Weight  # tied head
     assert StepLayers.build(model) is not None
+    assert_close_logits(model, dequantized_model(path))
+
+
+LEGACY_Q4_K_M = {name: T.Q5_0 for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up")}
+# llama-quantize's Q4_K_M of a model whose width is no multiple of 256 (SmolLM2): Q5_0 Q, K, O, gate and up,
+# V in Q8_0 or Q5_0, down in Q4_K or Q6_K
+Q4_K_M_LAYOUT = [LEGACY_Q4_K_M | {"attn_v": T.Q8_0, "ffn_down": T.Q6_K},
+                 LEGACY_Q4_K_M | {"attn_v": T.Q5_0, "ffn_down": T.Q4_K}]
+QKV_NAMES = ("attn_q", "attn_k", "attn_v")
+# every other kernel kind once, fused parts of one type
+EVERY_KIND = [dict.fromkeys(QKV_NAMES, T.Q2_K) | {"attn_output": T.Q3_K, "ffn_gate": T.Q5_K, "ffn_up": T.Q5_K,
+                                                   "ffn_down": T.Q5_1},
+              dict.fromkeys(QKV_NAMES, T.Q4_1) | {"attn_output": T.Q4_0, "ffn_gate": T.Q6_K, "ffn_up": T.Q6_K,
+                                                   "ffn_down": T.Q8_0}]
+
+
+@pytest.mark.parametrize("mix", [Q4_K_M_LAYOUT, EVERY_KIND], ids=["Q4_K_M layout", "every kernel kind"])
+def test_c_kernel_layers_run_in_one_c_call_with_the_python_paths_bits(tmp_path, mix):
+    """Every weight on a C kernel, each fused one of one kind (Q5_0 beside Q8_0 becomes Q8_0), in any mix
+    across weights: the step runs in one call, with the per-layer path's logits bit for bit."""
+    path = write_gguf(tmp_path / "mix.gguf", mix, embed=T.Q8_0)
+    model = load_model(path, "cpu", torch.float32, quantization="auto")
+    assert not any(isinstance(getattr(layer, name), RowsWeight) for layer in model.layers for name in GEMMS)
+    assert StepLayers.build(model) is not None
+    assert torch.equal(steps(model), steps(model, in_c=False))
     assert_close_logits(model, dequantized_model(path))
 
 

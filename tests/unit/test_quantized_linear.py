@@ -235,7 +235,9 @@ def test_file_blocks_run_on_the_c_kernels_and_follow_the_dequantized_weight(ggml
     """Against x @ W.T in float64 with W gguf's own dequantization: the kernels' only rounding is the input
     rows' 16-bit codes per block of 32 (half a step of max|x| / 32767, ~1.5e-5 of a block's largest value)
     and fp32 sums, so 1e-4 relative is some 5x their error; a wrong code, scale or sub-block is ~1."""
-    expected = {gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q8_0: Q8_0Weight}.get(ggml_type, KQuantWeight)
+    blocks = {gguf_blocks.T.Q4_0: Q4_1Weight, gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q5_0: Q8_0Weight,
+              gguf_blocks.T.Q8_0: Q8_0Weight}
+    expected = blocks.get(ggml_type, KQuantWeight)
     for k in widths(ggml_type):
         t = file_tensor(ggml_type, 40, k, seed=k)
         weight = gguf_weight.cpu_weight([t])
@@ -256,19 +258,18 @@ def test_file_blocks_dequantize_as_the_file_does(ggml_type):
 
 @needs_kquant_kernel
 def test_file_blocks_take_about_the_files_bytes():
-    """Codes at the type's own bits; K types keep their two-level scales (int8 sc and mn per 16 weights, fp32
-    d and dmin per 256: 1.25 bits a weight more), legacy ones the file's own bytes (fp16 d, and m for Q5_1,
-    per 32)."""
+    """K types keep their codes at the type's own bits and their two-level scales (int8 sc and mn per 16
+    weights, fp32 d and dmin per 256: 1.25 bits a weight more); Q5_1 takes the file's own bytes (fp16 d and
+    m per 32). Q4_0 adds an fp16 m (its -8 d) to its bytes as Q4_1, Q5_0 widens its codes to Q8_0's 8 bits."""
     n, k = 64, 512
-    extra = {gguf_blocks.T.Q4_0: 0.5, gguf_blocks.T.Q5_0: 0.5, gguf_blocks.T.Q5_1: 1.0}
-    for ggml_type in (*extra, *gguf_blocks.K_TYPES):
-        bits = gguf_blocks.BITS[ggml_type]
-        extra_bits = extra.get(ggml_type, 1.25)
-        assert gguf_weight.cpu_weight([file_tensor(ggml_type, n, k, 0)]).nbytes == n * k * (bits + extra_bits) / 8
+    bits = {gguf_blocks.T.Q4_0: 4 + 1.0, gguf_blocks.T.Q5_0: 8 + 0.5, gguf_blocks.T.Q5_1: 5 + 1.0,
+            **{t: gguf_blocks.BITS[t] + 1.25 for t in gguf_blocks.K_TYPES}}
+    for ggml_type, weight_bits in bits.items():
+        assert gguf_weight.cpu_weight([file_tensor(ggml_type, n, k, 0)]).nbytes == n * k * weight_bits / 8
 
 
 @needs_kquant_kernel
-@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q5_0, gguf_blocks.T.Q4_K, gguf_blocks.T.Q6_K],
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q5_1, gguf_blocks.T.Q4_K, gguf_blocks.T.Q6_K],
                          ids=lambda t: t.name)
 def test_file_block_rows_do_not_depend_on_the_batch_or_the_thread_count(ggml_type):
     weight = gguf_weight.cpu_weight([file_tensor(ggml_type, 1000, 768, seed=5)])
@@ -302,3 +303,27 @@ def test_a_fused_weight_of_mixed_types_runs_its_parts_in_row_order():
     assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-4
     same = gguf_weight.cpu_weight(parts[:1] * 2)  # parts of one type: one weight of their rows
     assert isinstance(same, KQuantWeight) and same.out_features == 128
+
+
+@needs_kquant_kernel
+def test_legacy_parts_that_become_one_block_kind_are_one_weight():
+    """Q4_K_M's Q5_0 Q and K beside a Q8_0 V: one Q8_0 weight of their rows, the dequantized product."""
+    parts = [file_tensor(gguf_blocks.T.Q5_0, 64, 96, 1), file_tensor(gguf_blocks.T.Q5_0, 32, 96, 2),
+             file_tensor(gguf_blocks.T.Q8_0, 32, 96, 3)]
+    weight = gguf_weight.cpu_weight(parts)
+    assert type(weight) is Q8_0Weight and weight.out_features == 128
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
+    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-4
+
+
+@needs_kquant_kernel
+def test_a_q4_0_block_whose_offset_overflows_fp16_runs_as_q8_0():
+    """Q4_0's offset -8 d is Q4_1's fp16 m only while 8 d fits fp16; past that the codes go to Q8_0."""
+    t = file_tensor(gguf_blocks.T.Q4_0, 4, 64, 7)
+    t.data[0, 0:2] = np.frombuffer(np.float16(9000.0).tobytes(), dtype=np.uint8)  # row 0, block 0: d = 9000
+    weight = gguf_weight.cpu_weight([t])
+    assert type(weight) is Q8_0Weight
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ t.dequantize().double().t()
+    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-4

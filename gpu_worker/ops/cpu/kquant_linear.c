@@ -10,8 +10,8 @@
  *   bit plane, 8 bytes: A's 4 bytes, then B's; byte c holds 1 bit of weights 8c..8c+7 at bits 0..7
  *   b = 2: crumbs; 3: crumbs, bits (x4); 4: nibbles; 5: nibbles, bits (x16); 6: nibbles, crumbs (x16)
  * Scales, two kinds:
- *   legacy (Q4_0, Q5_0, Q5_1): per row and block the file's fp16 d [N, 2P] and, for Q5_1, fp16 m
- *         [N, 2P]; Q4_0 and Q5_0 have none and offset = -zero * d (zero 8 or 16, exact in fp32)
+ *   legacy (Q5_1; Q4_0 and Q5_0 run on block_linear.c as Q4_1 and Q8_0): per row and block the
+ *         file's fp16 d and m [N, 2P]
  *   K types (Q2_K..Q6_K, K a multiple of 256): per row and super-block of 256 d and dmin [N, K/256]
  *         fp32, per 16 weights sc and mn [N, K/16] int8: scale = d * sc, offset = dmin * mn (exact)
  *
@@ -136,13 +136,12 @@ typedef struct {
     __m128 off;
 } SubPair;
 
-/* The scales of one weight row: legacy (fp16 d and m, or NULL and a zero code, per block) or K (fp32 d
- * and dmin per 256; int8 sc and mn per 16). */
+/* The scales of one weight row: legacy (fp16 d and m per block) or K (fp32 d and dmin per 256; int8 sc
+ * and mn per 16). */
 typedef struct {
     const float *d, *offset;
     const int8_t *sc, *mn;
     const uint16_t *d16, *m16;
-    float zero;
 } RowScales;
 
 static inline void spread(SubPair *w, __m128 s4) {
@@ -161,7 +160,7 @@ static inline __m128 f16x2(const uint16_t *p) {
 /* one scale a block: w->lo only (block_accumulate reads no w->hi) */
 static inline void legacy_scales(SubPair *w, RowScales s, int p) {
     const __m128 d = f16x2(s.d16 + 2 * p); /* dA dB */
-    const __m128 m = s.m16 ? f16x2(s.m16 + 2 * p) : _mm_mul_ps(d, _mm_set1_ps(-s.zero)); /* mA mB */
+    const __m128 m = f16x2(s.m16 + 2 * p); /* mA mB */
     w->lo = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
     w->off = _mm_unpacklo_ps(m, m);
 }
@@ -230,21 +229,20 @@ static inline float hsum4(__m128 s) {
 
 /* The scales of weight row n: legacy per block, K types per super-block and per 16 weights. */
 static inline RowScales row_scales(const void *d, const void *offset, const int8_t *sc, const int8_t *mn,
-                                   float zero, long n, int pairs) {
-    if (!sc) {
-        const uint16_t *m16 = offset ? (const uint16_t *)offset + n * 2 * pairs : NULL;
-        return (RowScales){NULL, NULL, NULL, NULL, (const uint16_t *)d + n * 2 * pairs, m16, zero};
-    }
+                                   long n, int pairs) {
+    if (!sc)
+        return (RowScales){NULL, NULL, NULL, NULL, (const uint16_t *)d + n * 2 * pairs,
+                           (const uint16_t *)offset + n * 2 * pairs};
     return (RowScales){(const float *)d + n * (pairs / 4), (const float *)offset + n * (pairs / 4),
-                       sc + n * 4 * pairs, mn + n * 4 * pairs, NULL, NULL, 0.f};
+                       sc + n * 4 * pairs, mn + n * 4 * pairs, NULL, NULL};
 }
 
-/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset (fp16 for legacy, offset NULL with a zero code; fp32 for
- * K types) and sc, mn int8 (NULL for legacy) as above;
+/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset (fp16 for legacy, fp32 for K types) and sc, mn int8
+ * (NULL for legacy) as above;
  * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
 #define DEFINE_SUB_LINEAR(NAME, TILE, PAIR_BYTES)                                                            \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const void *d, const void *offset, \
-             const int8_t *__restrict__ sc, const int8_t *__restrict__ mn, float zero,                        \
+             const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,                                    \
              float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
         QuantRows q = {malloc(sizeof(int16_t) * (size_t)M * pairs * PAIR),                                   \
@@ -264,7 +262,7 @@ static inline RowScales row_scales(const void *d, const void *offset, const int8
             for (int r = 0; r < M; r += ROW_TILE) {                                                          \
                 for (int n = n0; n < n1; n++) {                                                              \
                     const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                                \
-                    const RowScales s = row_scales(d, offset, sc, mn, zero, n, pairs);                       \
+                    const RowScales s = row_scales(d, offset, sc, mn, n, pairs);                             \
                     float *o = out + (long)r * N + n;                                                        \
                     switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                           \
                     case 1: TILE(q, sums, r, 1, pairs, wc, s, o, N); break;                                  \
@@ -283,7 +281,6 @@ static inline RowScales row_scales(const void *d, const void *offset, const int8
     DEFINE_SUB_TILE(KIND##BITS##_tile, CODES_##BITS, SCALES, ACCUMULATE, 8 * BITS) \
     DEFINE_SUB_LINEAR(KIND##BITS##_linear_f32, KIND##BITS##_tile, 8 * BITS)
 
-DEFINE_KIND(4, legacy, legacy_scales, block_accumulate)
 DEFINE_KIND(5, legacy, legacy_scales, block_accumulate)
 DEFINE_KIND(2, k, k_scales, sub_accumulate)
 DEFINE_KIND(3, k, k_scales, sub_accumulate)

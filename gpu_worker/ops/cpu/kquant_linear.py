@@ -2,9 +2,9 @@
 
 `pack(parts)` repacks ops/weights/gguf_blocks.Parts losslessly into what the kernel reads: the codes in bit
 planes, b bits a weight ([N, P * 8 b] uint8, P = ceil(K / 64) pairs of blocks), and the file's
-scales: legacy types the file's fp16 d [N, 2P] and, for Q5_1, m [N, 2P] (Q4_0 and Q5_0 have offset
--zero * d, zero 8 or 16); K types d and dmin [N, K/256] fp32 with sc and mn [N, K/16] int8. So a
-legacy weight takes the file's own bytes. See the C file for the layout.
+scales: Q5_1 the file's fp16 d and m [N, 2P] (Q4_0 and Q5_0 run as Q4_1 and Q8_0 on block_linear.c,
+ops/weights/gguf_weight.py); K types d and dmin [N, K/256] fp32 with sc and mn [N, K/16] int8. So a
+Q5_1 weight takes the file's own bytes. See the C file for the layout.
 """
 
 from __future__ import annotations
@@ -19,11 +19,9 @@ import torch
 from gpu_worker.ops.cpu import block_linear, build
 from gpu_worker.ops.weights.gguf_blocks import Parts, T
 
-LEGACY_BITS = (4, 5)
 K_BITS = (2, 3, 4, 5, 6)
-KINDS = tuple(f"legacy{b}" for b in LEGACY_BITS) + tuple(f"k{b}" for b in K_BITS)
-_ARGS = [ctypes.c_void_p] * 6 + [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 4
-ZERO_CODES = {T.Q4_0: 8.0, T.Q5_0: 16.0}  # offset = -zero * d
+KINDS = ("legacy5", *(f"k{b}" for b in K_BITS))  # Q5_1, then the K types
+_ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
 # bit planes per code width, low bits first: (plane, shift); nibble 4 bits, crumb 2, bit 1
 PLANES = {2: (("crumb", 0),), 3: (("crumb", 0), ("bit", 2)), 4: (("nibble", 0),), 5: (("nibble", 0), ("bit", 4)),
           6: (("nibble", 0), ("crumb", 4))}
@@ -37,16 +35,14 @@ def library() -> ctypes.CDLL | None:
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight as the kernel reads it (the module docstring); sc and mn None for legacy kinds, offset too
-    for Q4_0 and Q5_0 (offset = -zero * d)."""
+    """A weight as the kernel reads it (the module docstring); sc and mn None for legacy kinds."""
 
     kind: str
     codes: torch.Tensor
     d: torch.Tensor
-    offset: torch.Tensor | None
+    offset: torch.Tensor
     sc: torch.Tensor | None
     mn: torch.Tensor | None
-    zero: float = 0.0
 
 
 def _plane(codes: np.ndarray, plane: str) -> np.ndarray:
@@ -82,15 +78,15 @@ def _torch(a: np.ndarray) -> torch.Tensor:
 
 
 def pack(parts: Parts) -> Packed:
-    """Parts of a 2- to 6-bit type -> Packed (Q4_1 and Q8_0 have their own kernel, cpu/block_linear.py)."""
+    """Parts of Q5_1 or a K type -> Packed (the other legacy types run on cpu/block_linear.py)."""
     codes = _torch(pack_codes(parts.codes.astype(np.uint8), parts.bits))
     if parts.sc is not None and parts.mn is not None:   # the K types: sub-block scales and mins
         return Packed(f"k{parts.bits}", codes, _torch(parts.d), _torch(parts.offset), _torch(parts.sc),
                       _torch(parts.mn))
-    d = _torch(_pad_blocks(parts.d).astype(np.float16))  # the file's fp16 d, exactly
-    zero = ZERO_CODES.get(parts.ggml_type, 0.0)
-    offset = None if zero else _torch(_pad_blocks(parts.offset).astype(np.float16))  # Q5_1: the file's m
-    return Packed(f"legacy{parts.bits}", codes, d, offset, None, None, zero)
+    if parts.ggml_type != T.Q5_1:
+        raise ValueError(f"GGUF type {parts.ggml_type.name} runs on the block kernel, not in bit planes")
+    d = _torch(_pad_blocks(parts.d).astype(np.float16))  # the file's fp16 d and m, exactly
+    return Packed("legacy5", codes, d, _torch(_pad_blocks(parts.offset).astype(np.float16)), None, None)
 
 
 def linear(x: torch.Tensor, w: Packed, out_features: int) -> torch.Tensor:
@@ -101,9 +97,8 @@ def linear(x: torch.Tensor, w: Packed, out_features: int) -> torch.Tensor:
     out = torch.empty(rows, out_features, dtype=torch.float32)
     fn = getattr(library(), f"{w.kind}_linear_f32")
     sc, mn = (None, None) if w.sc is None or w.mn is None else (w.sc.data_ptr(), w.mn.data_ptr())
-    offset = None if w.offset is None else w.offset.data_ptr()
     with build.traced(f"cpu_{w.kind}_linear"):
-        rc = fn(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), offset, sc, mn, w.zero, out.data_ptr(),
+        rc = fn(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), w.offset.data_ptr(), sc, mn, out.data_ptr(),
                 rows, out_features, in_features, block_linear.threads_for(rows))
     if rc != 0:
         raise MemoryError(f"cpu {w.kind} linear: no memory for the {rows} x {in_features} activation codes")

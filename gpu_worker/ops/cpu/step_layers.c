@@ -1,5 +1,6 @@
-/* Every decoder layer of a CPU step in one call, for Llama-family models whose four GEMM weights
- * per layer are Q4_1 blocks (block_linear.c) and whose KV cache is fp32.
+/* Every decoder layer of a CPU step in one call, for Llama-family models whose GEMM weights are on
+ * the C kernels (block_linear.c's Q4_1 and Q8_0, kquant_linear.c's Q5_1 and K types, any mix of
+ * them across weights) and whose KV cache is fp32.
  *
  * Built by gpu_worker/ops/cpu/build.py, called through ctypes by step_layers.py. At one
  * sequence a layer's own arithmetic takes about 0.3 ms, and the Python around its ten kernel
@@ -25,21 +26,44 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "block_linear.c"
+#include "kquant_linear.c" /* and block_linear.c with it */
 #include "layer_ops.c"
 #include "paged_attention.c"
 
 enum { QKV, O, GATE_UP, DOWN, WEIGHTS_PER_LAYER };
 enum { INPUT_NORM, POST_NORM, NORMS_PER_LAYER };
+/* step_layers.py's KINDS, in order */
+enum { KIND_Q4_1, KIND_Q8_0, KIND_LEGACY5, KIND_K2, KIND_K3, KIND_K4, KIND_K5, KIND_K6 };
+
+/* One GEMM weight: its kernel and the arrays that kernel reads (step_layers.py's Weight). */
+typedef struct {
+    int kind;
+    const uint8_t *codes;
+    const void *d, *offset; /* offset NULL for Q8_0 */
+    const int8_t *sc, *mn;  /* the K types' only */
+} Weight;
+
+/* out [M, N] = x [M, K] @ w on w's own kernel; 0, or -1 without memory */
+static int weight_linear(const Weight *w, const float *x, float *out, int M, int N, int K, int threads) {
+    switch (w->kind) {
+    case KIND_Q4_1: return q4_1_linear_f32(x, w->codes, w->d, w->offset, out, M, N, K, threads);
+    case KIND_Q8_0: return q8_0_linear_f32(x, w->codes, w->d, NULL, out, M, N, K, threads);
+    case KIND_LEGACY5: return legacy5_linear_f32(x, w->codes, w->d, w->offset, NULL, NULL, out, M, N, K, threads);
+    case KIND_K2: return k2_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
+    case KIND_K3: return k3_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
+    case KIND_K4: return k4_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
+    case KIND_K5: return k5_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
+    case KIND_K6: return k6_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
+    }
+    return -1;
+}
 
 /* Returns 0, or -1 without memory for scratch (then h_out and residual_out are undefined). */
-int step_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, int I,
+int step_layers_f32(int num_layers, int T, int H, int Hq, int Hk, int D, int I,
                          const float *__restrict__ h_in,          /* [T, H] the embeddings */
                          float *__restrict__ h_out,               /* [T, H] the last layer's output */
                          float *__restrict__ residual_out,        /* [T, H] and its residual */
-                         const uint8_t *const *weights,           /* [L * 4] Q4_1 codes: qkv, o, gate_up, down */
-                         const uint16_t *const *scales,           /* [L * 4] their fp16 scales d */
-                         const uint16_t *const *offsets,          /* [L * 4] their fp16 offsets m */
+                         const Weight *weights,                   /* [L * 4] qkv, o, gate_up, down */
                          const float *const *norms,               /* [L * 2] input, post-attention norm weights */
                          float *const *k_caches, float *const *v_caches, /* [L] [num_blocks, bs, Hk, D] */
                          const int64_t *__restrict__ positions,   /* [T] */
@@ -58,9 +82,7 @@ int step_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, in
     const float *residual = h_in, *x = h_in;
     int failed = 0;
     for (int l = 0; l < num_layers && !failed; l++) {
-        const uint8_t *const *w = weights + (long)l * WEIGHTS_PER_LAYER;
-        const uint16_t *const *d = scales + (long)l * WEIGHTS_PER_LAYER;
-        const uint16_t *const *m = offsets + (long)l * WEIGHTS_PER_LAYER;
+        const Weight *w = weights + (long)l * WEIGHTS_PER_LAYER;
         const float *const *norm = norms + (long)l * NORMS_PER_LAYER;
         if (l == 0) {
             rms_norm_f32(x, H, NULL, 0, norm[INPUT_NORM], hn, NULL, T, H, eps);
@@ -69,20 +91,20 @@ int step_layers_q4_1_f32(int num_layers, int T, int H, int Hq, int Hk, int D, in
             rms_norm_f32(x, H, residual, H, norm[INPUT_NORM], hn, next, T, H, eps);
             residual = next;
         }
-        failed |= q4_1_linear_f32(hn, w[QKV], d[QKV], m[QKV], qkv, T, qkv_size, H, num_threads);
+        failed |= weight_linear(&w[QKV], hn, qkv, T, qkv_size, H, num_threads);
         rotary_f32(qkv, qkv_size, qkv + q_size, qkv_size, positions, cos_sin, q_rot, k_rot, T, Hq, Hk, D,
                    interleaved);
         write_kv_f32(k_rot, kv_size, qkv + q_size + kv_size, qkv_size, slots, k_caches[l], v_caches[l], T, kv_size);
         failed |= paged_decode_attention_f32(q_rot, k_caches[l], v_caches[l], block_tables, context_lens, attn, T,
                                              Hq, Hk, D, block_size, max_blocks, scale,
                                              num_threads < T ? num_threads : T);
-        failed |= q4_1_linear_f32(attn, w[O], d[O], m[O], hn, T, H, q_size, num_threads); /* hn: free again */
+        failed |= weight_linear(&w[O], attn, hn, T, H, q_size, num_threads); /* hn: free again */
         float *next = residual == res[0] ? res[1] : res[0];
         rms_norm_f32(hn, H, residual, H, norm[POST_NORM], h, next, T, H, eps);
         residual = next;
-        failed |= q4_1_linear_f32(h, w[GATE_UP], d[GATE_UP], m[GATE_UP], gate_up, T, 2 * I, H, num_threads);
+        failed |= weight_linear(&w[GATE_UP], h, gate_up, T, 2 * I, H, num_threads);
         silu_and_mul_f32(gate_up, T, I, act, num_threads);
-        failed |= q4_1_linear_f32(act, w[DOWN], d[DOWN], m[DOWN], h, T, H, I, num_threads);
+        failed |= weight_linear(&w[DOWN], act, h, T, H, I, num_threads);
         x = h;
     }
     if (!failed) {

@@ -37,6 +37,7 @@ FLOAT_TYPES = (T.F32, T.F16, T.BF16)
 LEGACY_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 K_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 QUANTIZED_TYPES = LEGACY_TYPES + K_TYPES
+ZERO_CODES = {T.Q4_0: 8, T.Q5_0: 16}  # the code of a zero weight: offset = -zero * d
 BITS = {T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8,
         T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6}
 
@@ -105,11 +106,11 @@ def _legacy(ggml_type: GGMLQuantizationType, blocks: np.ndarray) -> tuple[np.nda
     if ggml_type == T.Q8_0:
         return blocks[:, 2:].view(np.int8).astype(np.int16), d, np.zeros_like(d)
     if ggml_type == T.Q4_0:
-        return _nibbles(blocks[:, 2:]), d, -8 * d
+        return _nibbles(blocks[:, 2:]), d, -ZERO_CODES[T.Q4_0] * d
     if ggml_type == T.Q4_1:
         return _nibbles(blocks[:, 4:]), d, _f16(blocks[:, 2:4])
     if ggml_type == T.Q5_0:
-        return _nibbles(blocks[:, 6:]) | (_high_bits(blocks[:, 2:6]) << 4), d, -16 * d
+        return _nibbles(blocks[:, 6:]) | (_high_bits(blocks[:, 2:6]) << 4), d, -ZERO_CODES[T.Q5_0] * d
     return _nibbles(blocks[:, 8:]) | (_high_bits(blocks[:, 4:8]) << 4), d, _f16(blocks[:, 2:4])  # Q5_1
 
 

@@ -2,17 +2,20 @@
 backend's format FILE_FORMATS, gpu_worker/ops/cpu/backend.py).
 
     file type                  CPU linear                          kernel
-    Q4_1                       Q4_1Weight (its blocks as they are)  ops/cpu/block_linear.c
-    Q8_0                       Q8_0Weight (its blocks as they are)  ops/cpu/block_linear.c
-    Q4_0 Q5_0 Q5_1 Q2_K Q3_K   KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
-    Q4_K Q5_K Q6_K             the file's scales)
+    Q4_1, Q4_0                 Q4_1Weight (Q4_0's offset -8 d is    ops/cpu/block_linear.c
+                               Q4_1's m; Q8_0 if it overflows fp16)
+    Q8_0, Q5_0                 Q8_0Weight (Q5_0's code - 16 is a    ops/cpu/block_linear.c
+                               Q8_0 code; 8.5 bits against 5.5)
+    Q5_1 Q2_K Q3_K Q4_K        KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
+    Q5_K Q6_K                  the file's scales)
     F32 F16 BF16               prepacked fp32 (ops/weights/packed_linear.py)
 
 Every conversion is lossless (ops/weights/gguf_blocks.py) and goes from the file's bytes straight to
 the kernel's layout, with no float copy of a quantized weight. A fused weight (Q, K and V; gate and
 up) whose parts share a type is one weight of their rows; a K-quant mix gives parts of different
 types (llama-quantize's Q4_K_M stores some V projections in Q6_K, and a width that is not a multiple
-of 256 in a legacy type), and those run as one kernel call each (`RowsWeight`).
+of 256 in a legacy type): parts that become blocks of one kind are still one weight (a Q5_0 Q and K
+beside a Q8_0 V), others run as one kernel call each (`RowsWeight`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from torch import nn
 
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.weights import gguf_blocks, packed_linear
-from gpu_worker.ops.weights.quantized_linear import KQuantWeight, Q4_1Weight, Q8_0Weight, QuantizedWeight
+from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight, Q4_1Weight, Q8_0Weight, QuantizedWeight
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = gguf_blocks.FLOAT_TYPES + gguf_blocks.QUANTIZED_TYPES
+BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)  # what block_linear.c runs, as Q4_1 or Q8_0
 FILE_FORMATS = "gguf"  # the CPU backend's weight format for weights kept as the file has them
 
 
@@ -74,13 +78,29 @@ def _single(t: FileTensor) -> QuantizedWeight | nn.Parameter:
     if not t.quantized:
         return nn.Parameter(packed_linear.pack(t.dequantize()), requires_grad=False)
     parts = gguf_blocks.parts(t.ggml_type, t.data)
+    if t.ggml_type not in BLOCK_TYPES:
+        return KQuantWeight(kquant_linear.pack(parts), n, k)
     codes = torch.from_numpy(parts.codes).view(n, -1, block_linear.BLOCK)  # [N, G, 32]
-    if t.ggml_type == T.Q4_1:
-        packed = block_linear.pack_q4_1(codes, torch.from_numpy(parts.d), torch.from_numpy(parts.offset))
-        return Q4_1Weight.from_packed(packed, n, k)
-    if t.ggml_type == T.Q8_0:
-        return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes, torch.from_numpy(parts.d)), n, k)
-    return KQuantWeight(kquant_linear.pack(parts), n, k)
+    d, offset = torch.from_numpy(parts.d), torch.from_numpy(parts.offset)
+    if t.ggml_type == T.Q4_1 or (t.ggml_type == T.Q4_0 and _fits_fp16(offset)):
+        return Q4_1Weight.from_packed(block_linear.pack_q4_1(codes, d, offset), n, k)
+    zero = gguf_blocks.ZERO_CODES.get(t.ggml_type, 0)
+    return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes - zero, d), n, k)
+
+
+def _fits_fp16(offset: torch.Tensor) -> bool:
+    """Whether Q4_0's offsets -8 d (exact in fp16 where they fit: d is fp16) are Q4_1's fp16 m."""
+    return bool((offset.abs() <= torch.finfo(torch.float16).max).all())
+
+
+def _joined(weights: list[BlockWeight]) -> BlockWeight | None:
+    """Block weights of one kind (a Q5_0 Q and K beside a Q8_0 V) as one weight of their rows, else None."""
+    first = weights[0]
+    if any(type(w) is not type(first) for w in weights):
+        return None
+    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights if w.offsets is not None])
+    packed = (torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]), offsets)
+    return type(first).from_packed(packed, sum(w.out_features for w in weights), first.in_features)
 
 
 class RowsWeight(QuantizedWeight):
@@ -105,4 +125,7 @@ def cpu_weight(parts: list[FileTensor]) -> QuantizedWeight | nn.Parameter:
     """The row blocks of one (fused) weight, in order -> its CPU linear in the file's format(s)."""
     if all(p.ggml_type == parts[0].ggml_type for p in parts):
         return _single(_stacked(parts))
-    return RowsWeight([_single(p) for p in parts], [p.out_features for p in parts], parts[0].in_features)
+    weights = [_single(p) for p in parts]
+    blocks = [w for w in weights if isinstance(w, BlockWeight)]
+    joined = _joined(blocks) if len(blocks) == len(weights) else None
+    return joined or RowsWeight(weights, [p.out_features for p in parts], parts[0].in_features)

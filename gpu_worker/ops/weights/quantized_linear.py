@@ -176,7 +176,7 @@ class Q8_0Weight(BlockWeight):
 
 
 class KQuantWeight(QuantizedWeight):
-    """A GGUF weight of 2 to 6 bits in its file's codes and scales (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K), on the C
+    """A GGUF weight of 2 to 6 bits in its file's codes and scales (Q5_1, Q2_K..Q6_K), on the C
     kernel of ops/cpu/kquant_linear.py, fp32 in and out."""
 
     def __init__(self, packed: kquant_linear.Packed, out_features: int, in_features: int) -> None:
