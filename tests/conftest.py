@@ -55,6 +55,17 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture
+def own_gateways(stack):
+    """The shared stack (under tests/cluster the cluster one), whose gateways started during the test
+    (stack.start_gateway) are stopped and forgotten after it, killed ones too, so later modules find
+    the stack as it was."""
+    before = set(stack.services)
+    yield stack
+    for name in set(stack.services) - before:
+        stack.retire(name)
+
+
+@pytest.fixture
 def start_stack(tmp_path_factory):
     """start_stack(workers=2, gateways=1, **StackConfig fields) -> a started Stack of its own (real
     Valkey, real model on CPU), closed after the test."""

@@ -29,12 +29,3 @@ def valkey_client(stack):
     yield client
     client.close()
 
-
-@pytest.fixture
-def own_gateways(stack):
-    """The shared stack, whose gateways started during the test (stack.start_gateway) are stopped and
-    forgotten after it, killed ones too, so later modules find the stack as it was."""
-    before = set(stack.services)
-    yield stack
-    for name in set(stack.services) - before:
-        stack.retire(name)

@@ -53,9 +53,12 @@ async def health_code(channel: grpc.aio.Channel) -> str:
 
 
 async def listed_services(channel: grpc.aio.Channel) -> list[str] | str:
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(timeout=5)
     try:
+        # written by hand, not from a request iterator: a server that refuses the method at once can
+        # finish the call before an iterator's write, which then reports INTERNAL instead of its status
+        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        await call.done_writing()
         async for reply in call:
             return sorted(s.name for s in reply.list_services_response.service)
     except grpc.aio.AioRpcError as exc:
