@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-GIL_FREE_CHARS = 2048  # above this, encode without holding the GIL (costs ~30 us more on tiny inputs)
+GIL_FREE_CHARS = 2048  # above this, encode without holding the GIL (releasing it costs more than a tiny input)
 
 Messages = list[dict[str, Any]]
 

@@ -6,10 +6,8 @@ CpuBackend.prepare_weights leaves them, or a GGUF file's own blocks in any mix o
 weights), without a QKV bias. `takes(...)` says whether a step can
 run here (an fp32 KV cache): decodes, prefill chunks and both together. The C file calls the same
 kernels the Python path (llama.py over the CPU backend) calls, so both give the same bits for a
-token. A prefill step of
-SmolLM2 int4 in-process took 12.5 ms here against 24 on the Python path for 3 tokens, 21 against
-34 for 7 (the rest of a prompt from the prefix cache), 94 against 124 for 40, 313 against 349 for
-128 (medians of 5).
+token. One call a step saves the Python between ops, most of a short prefill's time
+(docs/performance.md, "Figures behind the CPU kernels' settings").
 """
 
 from __future__ import annotations

@@ -48,9 +48,8 @@
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
 #define CODE_MAX 32767  /* activation codes are 16-bit */
 /* How far ahead of the pair in hand a thread asks for its weights. The hardware prefetchers stop
- * at each 4 KiB page, so a thread streaming a decode step's weights waited on every page; a
- * one-row decode step (30 layers and the head, 1 thread) took 11.4 ms against 13.4 without it
- * (medians of 8 alternations), 2 threads 7.7 against 8.7; 4 and 16 rows are unchanged. */
+ * at each 4 KiB page, so a thread streaming a decode step's weights waited on every page
+ * (docs/performance.md, "Figures behind the CPU kernels' settings"). */
 #define PREFETCH_BYTES 4096
 
 /* the input rows: codes [M, P * 64] in pair order; per pair the lane scales [M, P * 8]
@@ -196,8 +195,7 @@ DEFINE_ROW_TILE(q8_0_tile, load_q8_0, Q8_0_PAIR_BYTES)
         /* guided: a fetch takes the groups left over the thread count, down to one group, so the       \
          * threads finish together after a few fetches a call; a thread the OS preempts (other           \
          * services share the cores) leaves the rest to the others. One group per fetch (dynamic, 1)    \
-         * made the fetches themselves the cost: a decode step at 1 sequence on 2 threads took 11.3 ms, \
-         * against 7.2 ms guided and 10.8 ms on one thread. */                                          \
+         * made the fetches themselves the cost (docs/performance.md has the figures). */               \
         _Pragma("omp parallel for schedule(guided) num_threads(num_threads)")                                \
         for (int g = 0; g < groups; g++) {                                                                   \
             const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;                   \

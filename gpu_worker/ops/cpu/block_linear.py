@@ -21,11 +21,8 @@ KINDS = ("q4_1", "q8_0")
 _ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
 # Up to this many rows a call runs on one thread. A one-sequence decode step is the shortest there is,
 # and the other core is busy meanwhile with that token's work in the worker's event loop, Valkey and
-# the gateway, so a second kernel thread mostly waits for it. On a 2-core VM (the kernel on the
-# guided schedule, 8 alternations in-process, 2 through the stack): in-process a step at 1 sequence
-# took 10.8 ms on one thread against 7.2 on two, yet through the stack one stream's ITL p50 was
-# 11.5-12.4 ms on one thread against 12.1-12.9 on two; at 4 streams two threads gave 148-154 output
-# tok/s against 138-142 on one.
+# the gateway, so a second kernel thread mostly waits for it: faster in-process, no faster through the
+# stack (docs/performance.md, "Figures behind the CPU kernels' settings").
 SINGLE_THREAD_ROWS = 1
 
 

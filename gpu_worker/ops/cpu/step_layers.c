@@ -3,9 +3,9 @@
  * them across weights) and whose KV cache is fp32.
  *
  * Built by gpu_worker/ops/cpu/build.py, called through ctypes by step_layers.py. At one
- * sequence a layer's own arithmetic takes about 0.3 ms, and the Python around its ten kernel
- * calls (views, allocations, argument checks, ctypes) took about 0.2 ms more; here that Python
- * runs once a step instead of once a layer. A step's tokens are T queries, each with its own
+ * sequence the Python around a layer's ten kernel calls (views, allocations, argument checks,
+ * ctypes) costs most of what the layer's own arithmetic does; here that Python runs once a step
+ * instead of once a layer. A step's tokens are T queries, each with its own
  * position, cache slot, block table and context length: a decoding sequence's one token, and
  * every token of a prefill chunk, which sees its sequence up to and including itself. Each layer
  * writes all T tokens' K/V before its attention, so a prefill token reads the chunk's earlier

@@ -50,7 +50,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear that also takes a weight made by `pack` or a quantized one. x: [T, K] -> [T, N]."""
     if isinstance(weight, QuantizedWeight):
-        return weight.forward(x, bias)  # not through Module.__call__: no hooks here, and it costs ~5 us a call
+        return weight.forward(x, bias)  # not through Module.__call__: no hooks here, and its dispatch is paid per GEMM
     if weight.is_mkldnn:
         rows = x.shape[0]
         if rows == 1:
