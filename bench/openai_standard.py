@@ -66,13 +66,14 @@ ORDERS = {"llmserve-first": [["llmserve", "llama-server"]], "llama-first": [["ll
           "both": [["llama-server", "llmserve"], ["llmserve", "llama-server"]]}
 # CPU flags the kernels (ours and llama.cpp's) choose code paths by
 KERNEL_FLAGS = re.compile(r"^(avx2|fma|f16c|avx_vnni\w*|avx512\w*|amx\w*)$")
-# llama.cpp's CMake options that pick its CPU code paths
-BUILD_OPTIONS = re.compile(r"^((?:GGML|LLAMA)_\w+|CMAKE_BUILD_TYPE):\w+=(.*)$")
+# llama.cpp's CMake options that pick its CPU code paths (the cache holds every backend's options too)
+BUILD_OPTIONS = re.compile(r"^(GGML_(?:NATIVE|CPU\w*|AVX\w*|AMX\w*|FMA|F16C|BMI2|SSE42|OPENMP|LLAMAFILE)"
+                           r"|CMAKE_BUILD_TYPE):\w+=(.*)$")
 
 
-def tokenizer_dir(directory: Path) -> Path:
+def tokenizer_dir(directory: Path, gguf: Path) -> Path:
     """A Hugging Face tokenizer directory of the served model (guidellm counts tokens with it)."""
-    model = load_tokenizer(model_store.fetch())
+    model = load_tokenizer(gguf)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(model.to_json(), encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(json.dumps({
@@ -227,7 +228,7 @@ def measure(name: str, args: argparse.Namespace, levels: list[int], tokenizer: P
         if name == "llama-server":
             # guidellm's chat prompts run past --prompt-tokens once templated (158 for 128): room for twice
             slot_tokens = 2 * args.prompt_tokens + args.output_tokens
-            server = LlamaServer(args.llama_server, model_store.fetch(), max(levels), slot_tokens, args,
+            server = LlamaServer(args.llama_server, model_store.resolve(args.model), max(levels), slot_tokens, args,
                                  RESULTS / "llama_server.log")
             server.wait_ready()
             target = server.url
@@ -237,7 +238,8 @@ def measure(name: str, args: argparse.Namespace, levels: list[int], tokenizer: P
             from llmserve.local.stack import Stack, StackConfig
 
             print("starting a stack (1 CPU worker)...", flush=True)
-            stack = Stack(StackConfig(workers=1, device="cpu", port=0, http_port=-1)).start()
+            served = f"{MODEL}={model_store.resolve(args.model)}"   # one model id for both servers
+            stack = Stack(StackConfig(model=served, workers=1, device="cpu", port=0, http_port=-1)).start()
             target = stack.http_url
         if args.warmup_requests:
             print(f"warm-up of {name}", flush=True)
@@ -321,6 +323,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="", help="base URL of a running endpoint (default: start a stack)")
     parser.add_argument("--api-key", default="dev-key")
+    parser.add_argument("--model", default=MODEL, help="the GGUF both servers serve: a path, or the default "
+                        f"{MODEL} (a SmolLM2 file: the bench's tokenizer directory names its special tokens)")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=24, help="requests per level")
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -351,7 +355,7 @@ def main(argv: list[str]) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     passes = []
     with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = tokenizer_dir(Path(tmp) / "tokenizer")
+        tokenizer = tokenizer_dir(Path(tmp) / "tokenizer", model_store.resolve(args.model))
         for order in orders:
             seen: dict = {}
             passes.append({"order": order,
@@ -364,7 +368,7 @@ def main(argv: list[str]) -> int:
         for name, rows in done["servers"].items():
             print_levels(name, rows, args, slo)
     record = run_record(args, [f"bench/{Path(__file__).name}", *argv], machine_info(),
-                        model_identity(model_store.fetch()), llama, passes, datetime.now(UTC))
+                        model_identity(model_store.resolve(args.model)), llama, passes, datetime.now(UTC))
     path = write_result(record)
     plot(passes, path.with_suffix(".png"), slo)
     print(f"\n{report.render_run(path.name, record)}\n\nwrote {path.relative_to(REPO)} (and .png); "

@@ -88,7 +88,8 @@ def test_build_options_come_from_the_cmake_cache(tmp_path):
     (tmp_path / "build" / "bin").mkdir(parents=True)
     (tmp_path / "build" / "bin" / "llama-server").touch()
     (tmp_path / "build" / "CMakeCache.txt").write_text(
-        "// comment\nGGML_NATIVE:BOOL=OFF\nGGML_AVX2:BOOL=ON\nCMAKE_BUILD_TYPE:STRING=Release\nCMAKE_CXX_FLAGS:STRING=\n")
+        "// comment\nGGML_NATIVE:BOOL=OFF\nGGML_AVX2:BOOL=ON\nGGML_CUDA:BOOL=OFF\nLLAMA_CURL:BOOL=OFF\n"
+        "CMAKE_BUILD_TYPE:STRING=Release\nCMAKE_CXX_FLAGS:STRING=\n")
     assert openai_standard.cmake_options(tmp_path / "build" / "bin" / "llama-server") == \
         "GGML_NATIVE=OFF GGML_AVX2=ON CMAKE_BUILD_TYPE=Release"
     assert openai_standard.cmake_options(tmp_path / "llama-server") == ""
