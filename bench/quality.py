@@ -10,9 +10,15 @@
     .venv/bin/python -m bench.quality --formats none,int4
     # a GGUF in its own formats (auto), against llama-perplexity -c 128 on the same file and text:
     .venv/bin/python -m bench.quality --model FILE.gguf --formats auto --ctx 128 --no-greedy
+    # the same, with llama-perplexity run by this bench on the same file, text and context
+    .venv/bin/python -m bench.quality --model FILE.gguf --formats auto --ctx 512 --no-greedy \
+        --text bench/data/gpl-3.0.txt --llama-perplexity PATH/llama-perplexity \
+        --output bench/results/quality/FILE.json
 
+bench/data/gpl-3.0.txt (the GPL's text, 7,639 SmolLM2 tokens: 14 chunks of 512) is long enough for
+a figure to compare at 1 %; perplexity.txt (415 tokens) scores only 189 at -c 128.
 Format `auto` is what the worker runs by default: a quantized GGUF in its own formats
-(gpu_worker/ops/weights/gguf_weight.py). Writes bench/results/quality.json.
+(gpu_worker/ops/weights/gguf_weight.py). Writes bench/results/quality.json, or with --output that file.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.openai_standard import cmake_options, machine_info, model_identity
 from gpu_worker.config import WEIGHT_FORMATS
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams
@@ -110,6 +119,19 @@ def chunked_perplexity(model: LlamaModel, ids: list[int], ctx: int) -> float:
     return math.exp(total / count)
 
 
+def llama_perplexity(binary: str, model: Path, text: str, ctx: int, threads: int) -> tuple[float, int]:
+    """llama.cpp's own figure for the same file, text and context: `llama-perplexity`'s final estimate
+    and the number of chunks it scored (equal to ours when both tokenize the text alike)."""
+    run = subprocess.run([binary, "-m", str(model), "-f", text, "-c", str(ctx), "-b", str(ctx), "-t", str(threads)],
+                         capture_output=True, text=True, check=True)
+    log = run.stdout + run.stderr
+    estimate = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if not estimate or not chunks:
+        raise RuntimeError(f"llama-perplexity printed no estimate:\n{log[-2000:]}")
+    return float(estimate.group(1)), int(chunks.group(1))
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -122,17 +144,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ctx", type=int, default=0, help="score perplexity as llama-perplexity -c CTX does")
     parser.add_argument("--text", default=str(HERE / "data" / "perplexity.txt"), help="the perplexity text")
     parser.add_argument("--no-greedy", dest="greedy", action="store_false", help="perplexity only")
-    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--llama-perplexity", default="", help="path of llama.cpp's llama-perplexity: score the "
+                        "same file, text and --ctx with it too, beside each format")
+    parser.add_argument("--threads", type=int, default=2, help="llama-perplexity's -t")
+    parser.add_argument("--output", default=str(HERE / "results" / "quality.json"))
     args = parser.parse_args(argv)
+    if args.llama_perplexity and not args.ctx:
+        parser.error("--llama-perplexity needs --ctx (llama-perplexity scores in chunks)")
     tok = load_tokenizer(model_store.resolve(args.model))
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     text_ids = tok.encode(Path(args.text).read_text())
     formats = [f for f in args.formats.split(",") if f != "none"]
+    llama = None
+    if args.llama_perplexity:
+        llama_ppl, chunks = llama_perplexity(args.llama_perplexity, model_store.resolve(args.model), args.text, args.ctx,
+                                             args.threads)
+        llama = {"perplexity": llama_ppl, "chunks": chunks, "threads": args.threads,
+                 "build_options": cmake_options(Path(args.llama_perplexity))}
+        print("llama-perplexity", json.dumps(llama), flush=True)
     rows, reference = [], None
     for fmt in (["none"] if args.greedy else []) + formats:
         start = time.perf_counter()
         model = load_model(args.model, "cpu", torch.float32, quantization=fmt)
-        row = {"format": fmt, "text_tokens": len(text_ids), "ctx": args.ctx or len(text_ids)}
+        row = {"format": fmt, "text_tokens": len(text_ids), "ctx": args.ctx or len(text_ids),
+               "chunks": len(text_ids) // args.ctx if args.ctx else 1}
         if args.greedy:
             outs = greedy_outputs(model, prompts)
             reference = reference or outs
@@ -140,13 +175,19 @@ def main(argv: list[str] | None = None) -> None:
             row |= {"prompts": len(prompts), "identical_32_tokens": sum(p == NEW_TOKENS for p in prefix) / len(prompts),
                     "mean_common_prefix": sum(prefix) / len(prompts)}
         ppl = chunked_perplexity(model, text_ids, args.ctx) if args.ctx else perplexity(model, text_ids)
-        rows.append(row | {"perplexity": round(ppl, 4)})
+        row["perplexity"] = round(ppl, 4)
+        if llama:
+            row["vs_llama_perplexity"] = round(ppl / float(llama["perplexity"]) - 1, 5)
+        rows.append(row)
         print(json.dumps(rows[-1]), f"({time.perf_counter() - start:.0f} s)", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps({"model": args.model, "new_tokens": NEW_TOKENS, "results": rows},
-                                                 indent=2))
-    print(f"wrote {out / 'quality.json'}")
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model_path = model_store.resolve(args.model)
+    result = {"model": model_identity(model_path) if model_path.is_file() else args.model,
+              "text": Path(args.text).name, "new_tokens": NEW_TOKENS, "machine": machine_info(),
+              "llama_perplexity": llama, "results": rows}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
