@@ -19,8 +19,8 @@ class WorkerSettings(CommonSettings):
     device: str = setting("auto", "auto, cpu or cuda (auto: cuda when a GPU and CuPy are there)")
     dtype: str = setting("auto", "compute dtype: auto, float32, bfloat16 or float16")
     # auto = int4 on CPU where the block kernel builds: Q4_1 blocks with 16-bit activation codes keep
-    # fp32's greedy tokens (bench/quality.py); a decode step runs 5x fp32's speed at 1 sequence, 2.6x
-    # at 4, 1.5x at 16, 1.15x at 32 (bench/step_profile.py, README); fp32 elsewhere and on CUDA
+    # fp32's greedy tokens (bench/quality.py) and decode faster than fp32 at every batch size
+    # (docs/performance.md); fp32 elsewhere and on CUDA
     quantization: str = setting("auto", "weight format of the GEMMs: auto (int4 on CPU where the model's widths "
                                         "and the C kernel allow, else none), none (the model dtype), int8 "
                                         "(per-channel; CPU and CUDA) or int4 (groups of 32, the GGUF Q4_1 "

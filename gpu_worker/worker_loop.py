@@ -6,9 +6,8 @@
     │   gRPC, heartbeats and Redis)     ║  finished batches; their grammars compiled (a thread)
     └─ both done: the step's tokens become events; then engine.abort + final events, engine.add
 
-A busy turn is one Redis round trip, and it runs while the step computes: at one sequence a
-step is 8-14 ms and the round trip 1-2 ms of this process's time, a tenth of the token rate
-when it came between two steps. What the replies ask of the engine (cancels, fenced requests,
+A busy turn is one Redis round trip, and it runs while the step computes: between two steps
+the round trip would cost a noticeable share of one sequence's token rate (docs/performance.md). What the replies ask of the engine (cancels, fenced requests,
 new batches) is applied once the step is done, so it takes effect a step later than it arrived.
 
 Only this loop touches the engine, so add/abort/step never race (`engine.prepare`, which

@@ -8,9 +8,9 @@ A rendered chat prompt is text cut by special tokens:
 `tokenizers` splits added tokens out first and encodes the text between them
 independently, so encode(prompt) == the concatenation of each segment's ids and
 the special tokens' ids. The system prompt and earlier turns of a conversation
-(resent every turn) are then looked up instead of re-tokenized: measured 4.8x
-less CPU for a 156-token system prompt and 21x for a 906-token one (bench/
-tokenizer_pool.py, "segment cache" section). Only special tokens without
+(resent every turn) are then looked up instead of re-tokenized, for several
+times less CPU the longer they are (bench/tokenizer_pool.py, "segment cache"
+section; docs/performance.md). Only special tokens without
 lstrip/rstrip are cut points (stripping would reach across a cut), and because the
 identity is a property of the tokenizer, SegmentEncoder checks it per model on probe
 conversations at start-up and falls back to whole-prompt encoding where it fails.

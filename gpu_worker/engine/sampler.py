@@ -68,7 +68,7 @@ def _filter_by_sort(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) 
 def top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> list[Candidates]:
     """What each row may draw from after top-k and top-p, in up to three groups of rows.
 
-    Sorting a 49k-token row costs ~2 ms on CPU, so rows that ask for neither keep their whole
+    Sorting a whole vocabulary row is slow on CPU (docs/performance.md), so rows that ask for neither keep their whole
     row, and the others look only at their best W tokens (one `topk`; W = the largest k, or
     NUCLEUS_CANDIDATES for a row with top-p alone): top-k never reaches past them, and top-p does
     not either once their mass reaches p. Rows where it does not (very flat distributions) fall

@@ -3,9 +3,9 @@
 The gateway checks a format once at admission (`check`, cached by content) and queues the
 format itself; each worker compiles the same grammar for its vocabulary (`grammar_of`) and
 drives an `llguidance.LLMatcher` per sequence. llguidance was chosen for its compile time
-(~1 ms for a schema where xgrammar takes ~15 ms and outlines-core ~450 ms on SmolLM2's 49k
-vocabulary, bench/grammar_libs.py), masks in tens of µs, and because it validates a grammar
-without a tokenizer, which is what the gateway has to do.
+(an order of magnitude below xgrammar's and outlines-core's; bench/grammar_libs.py,
+docs/performance.md), its fast masks, and because it validates a grammar without a tokenizer,
+which is what the gateway has to do.
 """
 
 from __future__ import annotations

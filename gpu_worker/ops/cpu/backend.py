@@ -33,8 +33,8 @@ class CpuBackend(Backend):
     paged_prefill_attention = staticmethod(paged_attention.paged_prefill_attention)
 
     def compute_dtype(self) -> torch.dtype:
-        """fp32. With prepacked weights bf16 runs the engine ~1.3x faster than fp32 on an AVX512-BF16 EPYC,
-        and its GEMM rows are bitwise batch-invariant too. But attention over a chunked or recomputed
+        """fp32. With prepacked weights bf16 runs the engine faster than fp32 where the CPU has AVX512-BF16
+        (docs/performance.md), and its GEMM rows are bitwise batch-invariant too. But attention over a chunked or recomputed
         prefill sums in another order than over decode steps; in bf16 that difference (~1e-3) reaches
         the logits, and a preempted-and-recomputed or differently chunked sequence then drew other
         sampled tokens (tests/integration/test_engine.py failed with bf16). In fp32 it stays ~1e-7.

@@ -1,16 +1,15 @@
 """Paged attention on the CPU that reads K/V blocks in place (paged_attention.c).
 
 The torch reference (`reference.paged_decode_attention`) first gathers every decoding
-sequence's blocks into a dense [B, L, Hk, D] copy, then runs SDPA over it: at 32 sequences
-of 256 tokens that copy was a quarter of a decode step. The C kernel walks each sequence's
-block table instead, so K and V are read once and never written.
+sequence's blocks into a dense [B, L, Hk, D] copy, then runs SDPA over it: that copy grows
+with every sequence's context and becomes a large share of a decode step (docs/performance.md).
+The C kernel walks each sequence's block table instead, so K and V are read once and never
+written.
 
 Prefill runs through the same kernel: each prefill token is one query over its sequence's
 context up to and including itself. So a token's attention is the same bits whether a prefill
 (chunked or not, prefix hit or miss) or a decode step computes it, and a prefill costs one call
-instead of a gather, a mask and an SDPA per sequence. All 30 layers of a SmolLM2 prefill, 2
-threads: 73 tokens 23-24 ms (the reference 31-38), 256 tokens 94-97 (105-136), 512 tokens
-269-309 (231-306).
+instead of a gather, a mask and an SDPA per sequence.
 
 The kernel is a small C file built on first use (ops/cpu/build.py). Where it cannot be
 built, or the cache is not fp32, both functions fall back to the reference.

@@ -4,7 +4,7 @@
  * times 2^-24 (ATen's uniform_real_distribution<float>).
  *
  * Built by gpu_worker/ops/cpu/build.py, called through ctypes by uniform.py. torch draws
- * one float per call of its serial kernel (~8 ns a float here); the sampler's noise is a row of
+ * one float per call of its serial kernel; the sampler's noise is a row of
  * vocab size per sampled sequence and step, 49k floats for SmolLM2. Here the state is twisted
  * 624 words at a time in loops the compiler vectorizes, and rows run on several threads.
  */

@@ -1,10 +1,10 @@
 """Linear layers on CPU through oneDNN with weights reordered ("prepacked") once at load time.
 
 Plain `F.linear` on CPU hands every call to MKL sgemm, which re-packs the whole weight matrix
-for small M (a decode step's M is the number of running sequences): on a 2-core AVX-512 box
-a 16-row step of SmolLM2 streamed its weights at ~6 GB/s. oneDNN with the weight already in
-its blocked layout skips that copy: the same step runs about twice as fast and a 1-row step is
-faster too (bench: `python -m bench.engine`).
+for small M (a decode step's M is the number of running sequences), so a decode step streams
+its weights far below the memory's bandwidth. oneDNN with the weight already in its blocked
+layout skips that copy, and steps of one row and of many run faster (`python -m bench.engine`,
+docs/performance.md).
 
 The layout is chosen for `BATCH_HINT` rows. For M >= 2, oneDNN computes every row of a given
 weight the same way whatever M is; a single row takes a different reduction order for some
