@@ -14,8 +14,8 @@ from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.weight_format import served_format
 from gpu_worker.ops import get_backend
-from gpu_worker.ops.cpu import block_linear, kquant_linear
-from gpu_worker.ops.weights import gguf_weight, packed_linear, quantized_linear
+from gpu_worker.ops.backend import Backend
+from gpu_worker.ops.weights import gguf_weight, quantized_linear
 from llmserve.catalog import model_store
 
 logger = structlog.get_logger(__name__)
@@ -34,16 +34,15 @@ def _source(path: Path):
     raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face directory with config.json")
 
 
-def _file_formats(path: Path, device: str, dtype: torch.dtype):
+def _file_formats(path: Path, backend: Backend, dtype: torch.dtype):
     """(config, weight iterator) of a quantized GGUF in its own formats (ops/weights/gguf_weight.py), which
-    `--quantization auto` keeps on an fp32 CPU model where the C kernels build; else None."""
-    if torch.device(device).type != "cpu" or not gguf_loader.is_gguf(path):
+    `--quantization auto` keeps where the backend runs them (Backend.runs_file_formats); else None."""
+    if not gguf_loader.is_gguf(path):
         return None
-    kernels = block_linear.library() is not None and kquant_linear.library() is not None
-    if dtype == torch.float32 and kernels and packed_linear.available(dtype):
+    if backend.runs_file_formats(dtype):
         return gguf_loader.load_file_formats(path)
-    logger.warning("gguf weights load dequantized: a quantized file keeps its formats on an fp32 CPU model "
-                   "with the C kernels", path=str(path), dtype=str(dtype).removeprefix("torch."), kernels=kernels)
+    logger.warning("gguf weights load dequantized: this backend and dtype do not run the file's formats",
+                   path=str(path), backend=backend.name, dtype=str(dtype).removeprefix("torch."))
     return None
 
 
@@ -80,7 +79,8 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     start = time.monotonic()
     path = model_store.resolve(str(spec))
     dtype = dtype or default_dtype(device)
-    file_formats = _file_formats(path, device, dtype) if quantization == "auto" and prepack else None
+    backend = get_backend(device)
+    file_formats = _file_formats(path, backend, dtype) if quantization == "auto" and prepack else None
     config, weights = file_formats or _source(path)
     model = LlamaModel(config, device=device, dtype=dtype)
     model.load_weights(weights)
@@ -90,7 +90,6 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     elif quantization == "auto":
         widths = [config.hidden_size, config.q_size, config.intermediate_size]  # the GEMMs' in_features
         quantization = quantized_linear.default_format(model.device, widths)
-    backend = get_backend(device)
     prepared = prepack and backend.prepare_weights(model, quantization)
     model.weight_format = served_format(path, quantization, prepared, dtype)
     logger.info(

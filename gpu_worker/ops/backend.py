@@ -101,6 +101,11 @@ class Backend(Protocol):
         """The vocab projection's dtype for a model computing in `dtype`."""
         ...
 
+    def runs_file_formats(self, dtype: torch.dtype) -> bool:
+        """Whether a quantized GGUF's GEMM weights can stay in the file's own block formats
+        (ops/weights/gguf_weight.py) for a model computing in `dtype`; else the loader dequantizes them."""
+        ...
+
     def prepare_weights(self, model: PreparableModel, quantization: str) -> bool:
         """Put the model's GEMM weights in this backend's form, `quantization` "none" or a weight format;
         False where the weights stay as loaded. The model is inference-only afterwards."""

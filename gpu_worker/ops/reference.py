@@ -197,6 +197,9 @@ class ReferenceBackend(Backend):
         """fp32: bf16 logits round near-ties together and flip greedy choices."""
         return torch.float32
 
+    def runs_file_formats(self, dtype: torch.dtype) -> bool:
+        return False
+
     def prepare_weights(self, model: PreparableModel, quantization: str) -> bool:
         if quantization != "none":
             raise ValueError(f"the reference backend runs plain weights, not {quantization!r}")

@@ -11,7 +11,11 @@ heads, D head_dim. A query at position p of a windowed layer sees keys k with p 
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from gpu_worker.ops import reference
 
 
 def _keys(cache: torch.Tensor, block_table: torch.Tensor, first: int, end: int) -> torch.Tensor:
@@ -80,10 +84,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """reference.paged_prefill_attention with a window and a soft-cap: one sequence at a time, reading only
     the blocks inside the window. q: [T, Hq, D], block_tables: [S, max_blocks] int32, query_start_loc:
     [S + 1] int32, context_lens: [S] int32 -> [T, Hq, D]."""
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for i, context_len in enumerate(context_lens.tolist()):
-        lo, hi = starts[i], starts[i + 1]
-        if hi > lo:
-            out[lo:hi] = _attend(q[lo:hi], k_cache, v_cache, block_tables[i], context_len, scale, window, softcap)
-    return out
+    attend = functools.partial(_attend, window=window, softcap=softcap)
+    return reference.prefill_each_sequence(attend, q, k_cache, v_cache, block_tables, query_start_loc,
+                                           context_lens, scale)

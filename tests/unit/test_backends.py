@@ -37,7 +37,8 @@ def contract_members() -> dict[str, inspect.Signature]:
 def test_the_contract_has_the_ops_and_weight_preparation():
     assert set(contract_members()) == {
         "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "write_kv_cache",
-        "paged_decode_attention", "paged_prefill_attention", "compute_dtype", "logits_dtype", "prepare_weights"}
+        "paged_decode_attention", "paged_prefill_attention", "compute_dtype", "logits_dtype", "runs_file_formats",
+        "prepare_weights"}
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.__name__)
@@ -62,6 +63,13 @@ def test_dtypes_are_the_backends_choice():
     assert CpuBackend().logits_dtype(torch.bfloat16) == torch.float32  # bf16 logits flip greedy near-ties
     assert CudaBackend().logits_dtype(torch.bfloat16) == torch.bfloat16
     assert LlamaModel(CONFIG, "cpu", torch.bfloat16).lm_head_dtype == torch.float32
+
+
+def test_only_the_cpu_backend_runs_a_gguf_files_own_formats_and_only_in_fp32():
+    assert CpuBackend().runs_file_formats(torch.float32)  # the C kernels build on every CI machine
+    assert not CpuBackend().runs_file_formats(torch.bfloat16)
+    assert not ReferenceBackend().runs_file_formats(torch.float32)
+    assert not CudaBackend().runs_file_formats(torch.bfloat16)
 
 
 def test_weight_formats_a_backend_lacks_are_refused_before_any_weight_changes():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker.ops.backend import Backend, LinearWeight, PreparableModel
-from gpu_worker.ops.cpu import layer_ops, paged_attention
+from gpu_worker.ops.cpu import block_linear, kquant_linear, layer_ops, paged_attention
 from gpu_worker.ops.weights import gguf_weight, packed_linear, quantized_linear
 
 
@@ -33,18 +33,23 @@ class CpuBackend(Backend):
     paged_prefill_attention = staticmethod(paged_attention.paged_prefill_attention)
 
     def compute_dtype(self) -> torch.dtype:
-        """fp32. With prepacked weights bf16 runs the engine faster than fp32 where the CPU has AVX512-BF16
-        (docs/performance.md), and its GEMM rows are bitwise batch-invariant too. But attention over a chunked or recomputed
-        prefill sums in another order than over decode steps; in bf16 that difference (~1e-3) reaches
-        the logits, and a preempted-and-recomputed or differently chunked sequence then drew other
-        sampled tokens (tests/integration/test_engine.py failed with bf16). In fp32 it stays ~1e-7.
-        fp32 keeps a sequence's tokens independent of batching, chunking and preemption;
-        `--dtype bfloat16` trades that for speed."""
+        """fp32. With prepacked weights bf16 runs the engine faster than fp32 where the CPU has
+        AVX512-BF16 (docs/performance.md), and its GEMM rows are bitwise batch-invariant too. But
+        attention over a chunked or recomputed prefill sums in another order than over decode steps;
+        in bf16 that difference (~1e-3) reaches the logits, and a preempted-and-recomputed or
+        differently chunked sequence then drew other sampled tokens (tests/integration/test_engine.py
+        failed with bf16). In fp32 it stays ~1e-7. fp32 keeps a sequence's tokens independent of
+        batching, chunking and preemption; `--dtype bfloat16` trades that for speed."""
         return torch.float32
 
     def logits_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """fp32: bf16 logits round near-ties together and flip greedy choices."""
         return torch.float32
+
+    def runs_file_formats(self, dtype: torch.dtype) -> bool:
+        """On an fp32 model where the block and K-quant C kernels build and oneDNN can prepack."""
+        kernels = block_linear.library() is not None and kquant_linear.library() is not None
+        return dtype == torch.float32 and kernels and packed_linear.available(dtype)
 
     @torch.no_grad()
     def prepare_weights(self, model: PreparableModel, quantization: str) -> bool:

@@ -29,6 +29,10 @@ class CudaBackend(Backend):
         """The compute dtype, as vLLM does."""
         return dtype
 
+    def runs_file_formats(self, dtype: torch.dtype) -> bool:
+        """No: a quantized GGUF loads dequantized to the model dtype on CUDA."""
+        return False
+
     @torch.no_grad()
     def prepare_weights(self, model: PreparableModel, quantization: str) -> bool:
         """With `quantization` other than "none", the layers' GEMM weights in a weight-only quantized CUDA
