@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import structlog
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
 from batcher import metrics
 from batcher.batch_budget import BatchBudget
@@ -35,7 +35,7 @@ from batcher.scripts import Scripts, Source, dispatch_result
 from batcher.workers import Capacity, WorkerPool
 from llmserve.protocol import fencing, keys, queue
 from llmserve.runtime import redis_client, tracing
-from llmserve.runtime.clock import now_ms
+from llmserve.runtime.clock import now_ms, now_s
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -46,9 +46,6 @@ _PIPELINED = 8             # batches formed and dispatched per Redis round trip
 # Unexpected errors in a row after which the loop gives up and takes the process down, so
 # its supervisor restarts it (and the operator sees it) instead of it retrying forever.
 MAX_CONSECUTIVE_FAILURES = 5
-
-# Any Redis error: the batch loop retries the step (the cluster client's SlotNotCoveredError is no RedisError)
-REDIS_TROUBLE: tuple[type[Exception], ...] = (RedisError, OSError, *redis_client.UNAVAILABLE_ERRORS)
 
 _Plan = tuple[Capacity, list[Held]]
 _Drop = tuple[Held, DropReason, str]
@@ -93,7 +90,7 @@ class ModelBatcher:
                 backoff, failures = 0.05, 0
             except NoScriptError:
                 await self.scripts.load()  # Redis restarted or flushed its script cache
-            except REDIS_TROUBLE as exc:
+            except redis_client.ANY_ERRORS as exc:
                 if redis_client.is_wrong_type(exc):
                     raise           # not an outage: no retry mends a key of the wrong type
                 logger.warning("redis error in batch loop", model=self.model, error=repr(exc))
@@ -121,7 +118,7 @@ class ModelBatcher:
                 await self._maybe_refresh_workers(time.monotonic())
                 if not await self.dispatch_ready(force=True):
                     await asyncio.sleep(self.settings.workers_poll_ms / 1000)
-            except REDIS_TROUBLE as exc:
+            except redis_client.ANY_ERRORS as exc:
                 logger.warning("redis error while flushing", model=self.model, error=repr(exc))
                 await asyncio.sleep(0.1)
         await self._release_held()
@@ -135,7 +132,7 @@ class ModelBatcher:
             try:
                 await self.redis.xclaim(stream, keys.WORK_GROUP, self.consumer, 0, ids,
                                         idle=self.settings.claim_idle_ms, justid=True)
-            except REDIS_TROUBLE as exc:
+            except redis_client.ANY_ERRORS as exc:
                 logger.warning("could not release held items", model=self.model, error=repr(exc))
         if self.queue:
             logger.info("left items for other replicas", model=self.model, count=len(self.queue))
@@ -265,7 +262,7 @@ class ModelBatcher:
         try:
             await fencing.issue(self.redis, [h.item for _, batch in plans for h in batch],
                                 self.settings.events_ttl_s)
-        except REDIS_TROUBLE:
+        except redis_client.ANY_ERRORS:
             for _, batch in plans:
                 self.queue.extend(batch)
             raise
@@ -278,7 +275,7 @@ class ModelBatcher:
                                       self.consumer, _sources(batch), message.SerializeToString())
         try:
             replies = await pipe.execute()
-        except REDIS_TROUBLE:
+        except redis_client.ANY_ERRORS:
             for _, batch in plans:
                 self.queue.extend(batch)
             raise
@@ -356,7 +353,7 @@ class ModelBatcher:
         helds = self.queue.remove_if(lambda _h: True)
         try:
             await move_items(self.redis, self.model, target, [h.item for h in helds])
-        except REDIS_TROUBLE:
+        except redis_client.ANY_ERRORS:
             self.queue.extend(helds)
             raise
         await self._ack_held(helds)
@@ -406,7 +403,7 @@ class ModelBatcher:
 def _trace(batch: list[Held], worker_id: str) -> None:
     """A `batch` span per item, from when this replica read it to its dispatch to `worker_id`."""
     if tracing.enabled():
-        wall_offset = time.time() - time.monotonic()
+        wall_offset = now_s() - time.monotonic()
         tracing.record_dispatch("batch", [(h.item, h.read_at + wall_offset) for h in batch], worker_id,
                                 {"llmserve.batch.size": len(batch)})
 

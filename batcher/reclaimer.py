@@ -28,7 +28,7 @@ from batcher.scripts import Scripts, Source
 from batcher.workers import Capacity, WorkerPool, blocks_needed
 from llmserve.protocol import fencing, keys, queue
 from llmserve.runtime import redis_client, tracing
-from llmserve.runtime.clock import now_ms
+from llmserve.runtime.clock import now_ms, now_s
 from llmserve.v1 import queue_pb2
 
 logger = structlog.get_logger(__name__)
@@ -172,7 +172,7 @@ class Reclaimer:
             blocks = sum(blocks_needed(i, cap.block_size, ctx.settings.decode_reserve) for i in items)
             ctx.pool.reserve(cap.worker_id, blocks, len(items), now_ms())
             metrics.DISPATCHED.labels(ctx.model).inc(len(items))
-            tracing.record_dispatch("reclaim", [(i, time.time()) for i in items], cap.worker_id,
+            tracing.record_dispatch("reclaim", [(i, now_s()) for i in items], cap.worker_id,
                                     {"llmserve.reclaimed_from": inbox})
             logger.info("redispatched batch", from_inbox=inbox, to_worker=cap.worker_id, items=len(items))
 

@@ -19,7 +19,7 @@ import structlog
 
 from batcher import metrics
 from batcher.config import BatcherSettings
-from batcher.model_batcher import REDIS_TROUBLE, ModelBatcher
+from batcher.model_batcher import ModelBatcher
 from batcher.scripts import Scripts
 from llmserve.protocol import keys, queue
 from llmserve.runtime import redis_client
@@ -107,7 +107,7 @@ class BatcherService:
             for cell in self.cells:
                 try:
                     await self._publish_depth(cell)
-                except REDIS_TROUBLE as exc:
+                except redis_client.ANY_ERRORS as exc:
                     logger.debug("stats refresh failed", error=repr(exc))
             try:
                 async with asyncio.timeout(self.settings.stats_interval_ms / 1000):

@@ -21,7 +21,6 @@ import asyncio
 from dataclasses import dataclass
 
 import structlog
-from redis.exceptions import RedisError
 
 from llmserve.catalog import routes
 from llmserve.catalog.models_file import ModelsConfig
@@ -31,8 +30,6 @@ from llmserve.runtime import redis_client
 from llmserve.runtime.errors import NotFound
 
 logger = structlog.get_logger(__name__)
-# A Redis that answers badly or not at all: routing goes on with what it last read.
-_REFRESH_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError, *redis_client.UNAVAILABLE_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -106,7 +103,7 @@ class Router:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
-            except _REFRESH_ERRORS as exc:  # keep routing on the last weights seen
+            except redis_client.ANY_ERRORS as exc:  # Redis answers badly or not at all: keep the last weights
                 logger.warning("route refresh failed", error=repr(exc))
 
     # -- route ---------------------------------------------------------------------------------------------

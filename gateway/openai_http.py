@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -38,6 +37,7 @@ from gateway.openai_tools import openai_tool_calls
 from gateway.openai_wire import FINISH, BodyTooLarge, Parsed, parse_chat, parse_completion, parse_json, read_body
 from gateway.request_state import Call
 from gateway.tool_stream import ToolCallStream, stream_for
+from llmserve.runtime import clock
 from llmserve.runtime.errors import InvalidArgument, Unavailable
 from llmserve.runtime.server import status_for
 from llmserve.v1 import inference_pb2 as pb
@@ -149,7 +149,7 @@ class OpenAIHttp:
             first = await anext(chunks, None)  # admission errors become HTTP statuses, not a 200 stream
             if first is None:                    # a flow ends with a final chunk: never expected
                 raise Unavailable("the request ended without output; retry")
-            shape = _Shape(kind, call.request_id, call.served_model, int(time.time()),
+            shape = _Shape(kind, call.request_id, call.served_model, int(clock.now_s()),
                            parsed.request.sampling.logprobs, choices.count(parsed.request))
             headers = {"x-request-id": call.request_id, **dict(call.headers)}
             if parsed.stream:

@@ -13,7 +13,6 @@ With tracing off every method returns at once and nothing is kept.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -22,7 +21,7 @@ from opentelemetry.trace import Span
 
 from gpu_worker.engine.sequence import SequenceStatus
 from gpu_worker.requests import Tracked
-from llmserve.runtime import tracing
+from llmserve.runtime import clock, tracing
 from llmserve.v1 import inference_pb2
 
 
@@ -52,7 +51,7 @@ class RequestSpans:
         """The engine took the request: its queue wait ends, its prefill starts."""
         if not tracing.enabled():
             return
-        item, now_s = tracked.item, time.time()
+        item, now_s = tracked.item, clock.now_s()
         parent = tracing.item_context(item)
         attributes = {**tracing.item_attributes(item, self.worker_id), "llmserve.deliveries": item.deliveries}
         tracing.record_span("queue wait", parent, item.enqueued_unix_ms / 1000, tracked.admitted_unix_ms / 1000,

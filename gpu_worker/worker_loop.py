@@ -7,8 +7,9 @@
     └─ both done: the step's tokens become events; then engine.abort + final events, engine.add
 
 A busy turn is one Redis round trip, and it runs while the step computes: between two steps
-the round trip would cost a noticeable share of one sequence's token rate (docs/performance.md). What the replies ask of the engine (cancels, fenced requests,
-new batches) is applied once the step is done, so it takes effect a step later than it arrived.
+the round trip would cost a noticeable share of one sequence's token rate (docs/performance.md).
+What the replies ask of the engine (cancels, fenced requests, new batches) is applied once the
+step is done, so it takes effect a step later than it arrived.
 
 Only this loop touches the engine, so add/abort/step never race (`engine.prepare`, which
 compiles a new request's grammar off the event loop, touches only the request). After a step

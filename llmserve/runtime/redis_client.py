@@ -55,6 +55,10 @@ UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
     redis.exceptions.SlotNotCoveredError,    # the slot map is being rebuilt
     redis.exceptions.ClusterError,           # "TTL exhausted": redirects and reconnects ran out mid-failover
 )
+# Anything a Redis call can raise, an outage or a bad answer (WRONGTYPE, a script error): what a loop
+# that must outlive Redis trouble catches (the batcher's batch loop, the router's weights refresh).
+# The cluster client's SlotNotCoveredError is no RedisError, hence UNAVAILABLE_ERRORS beside it.
+ANY_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.RedisError, OSError, *UNAVAILABLE_ERRORS)
 
 
 

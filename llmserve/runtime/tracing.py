@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -33,6 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from llmserve.runtime import clock
 from llmserve.runtime.log import service_version
 from llmserve.v1 import inference_pb2, queue_pb2
 
@@ -305,7 +305,7 @@ def record_dispatch(name: str, items: Iterable[tuple[queue_pb2.WorkItem, float]]
     batcher's batch formation, or a reclaim."""
     if _tracer is None:
         return
-    now_s = time.time()
+    now_s = clock.now_s()
     for item, since_s in items:
         record_span(name, extract(item.trace_context), since_s, now_s,
                     {**item_attributes(item, worker_id), **(attributes or {})})
