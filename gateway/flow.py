@@ -33,15 +33,15 @@ from gateway.calls import REMAINING_REQUESTS, ratelimit_headers, rejection
 from gateway.config import GatewaySettings
 from gateway.model_router import Router
 from gateway.quota import Limits, Quota
+from gateway.request_clock import QueueWaitExceeded, Watch
 from gateway.request_record import RequestRecord
 from gateway.request_state import Call, Meta, StreamOutcome
 from gateway.response_format import FormatCompiler
 from gateway.shedding import Shedder
-from gateway.streams import TenantStreams, ViewerLease
+from gateway.stream_slots import TenantStreams, ViewerLease
 from gateway.tenants import Tenant
 from gateway.tokenizer_client import ModelInfo, TokenizerClient
 from gateway.validation import RequestLimits, check_request_id, resolve_sampling, validate_request
-from gateway.watch import QueueWaitExceeded, Watch
 from llmserve.protocol import keys, queue
 from llmserve.protocol.queue_cells import CellChooser
 from llmserve.runtime import redis_client, tracing

@@ -15,12 +15,12 @@ import grpc
 import structlog
 
 from gateway import choices
+from gateway.bad_utf8 import Unparsable, lenient
 from gateway.calls import code_of, count, header_id, open_call
 from gateway.core import Gateway
 from gateway.http_server import HttpServer
 from gateway.request_state import Call
 from gateway.tool_stream import rewrite
-from gateway.wire import Unparsable, lenient
 from llmserve.v1 import inference_pb2 as pb
 
 logger = structlog.get_logger(__name__)

@@ -25,8 +25,8 @@ from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
+    from gateway.request_clock import Watch
     from gateway.slo_estimate import ServiceEstimate
-    from gateway.watch import Watch
 
 HEADERS = ("x-slo-ttft-ms", "x-slo-tpot-ms")
 

@@ -21,7 +21,7 @@ Tools, n and logprobs (docs/tools.md, docs/logprobs.md):
 
 Streamed, each chunk names its `choice_index` and carries the tool calls that completed in it;
 a resumed stream keeps each choice's index and each call exactly once.
-Requests are built by llmserve/client_request.py, replies read by llmserve/client_results.py.
+Requests are built by llmserve/client/request.py, replies read by llmserve/client/results.py.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import cast
 
 import grpc
 
-from llmserve.client_request import build_request, messages_of
-from llmserve.client_results import Choice, Chunk, Completion, TokenLogprob, ToolCall, TopLogprob, Usage, to_chunk, to_completion
+from llmserve.client.request import build_request, messages_of
+from llmserve.client.results import Choice, Chunk, Completion, TokenLogprob, ToolCall, TopLogprob, Usage, to_chunk, to_completion
 from llmserve.runtime.retry import is_retryable, remaining
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import inference_pb2_grpc

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from llmserve.client_results import ToolCall
+from llmserve.client.results import ToolCall
 from llmserve.v1 import inference_pb2 as pb
 
 PRIORITIES = {"low": pb.PRIORITY_LOW, "normal": pb.PRIORITY_NORMAL, "high": pb.PRIORITY_HIGH}

@@ -1,4 +1,4 @@
-"""The Python SDK (llmserve/client.py) on the shared stack with real SmolLM2: tools, tool_choice,
+"""The Python SDK (llmserve/client/) on the shared stack with real SmolLM2: tools, tool_choice,
 parallel_tool_calls, n and logprobs on complete and generate, and a tool-calling stream of several
 choices resumed by the SDK across a gateway killed mid-stream."""
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from llmserve.client import Chunk, ResumeCursor, RetryPolicy, StreamEnded, build_request, to_chunk
-from llmserve.client_results import to_completion
+from llmserve.client.results import to_completion
 from llmserve.runtime.errors import InvalidArgument, Unavailable
 from llmserve.v1 import inference_pb2 as pb
 

@@ -3,8 +3,8 @@
 import grpc
 import pytest
 
+from gateway.bad_utf8 import SCHEMAS, Unparsable, lenient, locate_bad_utf8
 from gateway.validation import RequestLimits, check_input, resolve_sampling, validate_request
-from gateway.wire import SCHEMAS, Unparsable, lenient, locate_bad_utf8
 from llmserve.runtime.errors import InvalidArgument
 from llmserve.v1 import inference_pb2 as pb
 
