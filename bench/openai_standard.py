@@ -23,8 +23,11 @@ directory: one is written from the served GGUF.
 
 Prompts: by default chat messages (/v1/chat/completions), so every prompt starts with the chat
 template's shared system prefix. With --distinct-prompts (the long-prompt mode) they go as raw text
-to /v1/completions: guidellm starts each synthetic prompt with a unique counter, so no two share a
-first token and neither server's prefix cache serves any of it.
+to /v1/completions: guidellm starts each synthetic prompt with a counter, so no two of one guidellm
+run share a first token. guidellm draws the same prompts for the same seed, so every guidellm run
+here gets its own (`prompt_seed`): a level never replays the warm-up's prompts or an earlier level's,
+and neither server's prefix cache serves any of it. Both servers of a pass get the same seeds, so they
+answer the same prompts.
 
 Writes one JSON file a run, bench/results/openai_standard/<UTC date>-<prompts>-p<tokens>.json: the
 machine (CPU model, the kernel-relevant flags, CPU count), llama-server's version, system info and
@@ -87,8 +90,16 @@ def request_format(args: argparse.Namespace) -> str:
     return "/v1/completions" if args.distinct_prompts else "/v1/chat/completions"
 
 
-def run_level(target: str, tokenizer: Path, streams: int, requests: int, args: argparse.Namespace, out: Path) -> dict:
-    """One `guidellm run` of `requests` requests over `streams` closed-loop streams; guidellm's benchmark."""
+def prompt_seed(pass_number: int, run: int) -> int:
+    """guidellm's seed for a server's `run`-th guidellm run (0: the warm-up) in pass `pass_number`: the
+    same for both servers of a pass, different for every other run of the bench."""
+    return 1000 * pass_number + run
+
+
+def run_level(target: str, tokenizer: Path, streams: int, requests: int, seed: int, args: argparse.Namespace,
+              out: Path) -> dict:
+    """One `guidellm run` of `requests` requests over `streams` closed-loop streams, its prompts drawn
+    with `seed`; guidellm's benchmark."""
     command = [
         args.guidellm, "run",
         "--backend", f"kind=openai_http,target={target},model={MODEL},api_key={args.api_key},"
@@ -97,6 +108,7 @@ def run_level(target: str, tokenizer: Path, streams: int, requests: int, args: a
         "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
         "--profile", f"kind=concurrent,streams={streams}",
         "--constraint", f"kind=max_requests,count={requests}",
+        "--seed", f"kind=static,value={seed}",
         "--output", f"kind=json,path={out}", "--disable-console-interactive",
     ]
     print(f"guidellm: {streams} concurrent streams, {requests} requests", flush=True)
@@ -218,10 +230,10 @@ def llama_build(args: argparse.Namespace) -> dict:
             "build_options": args.llama_build_options or cmake_options(Path(args.llama_server)) or "unknown"}
 
 
-def measure(name: str, args: argparse.Namespace, levels: list[int], tokenizer: Path, tmp: Path,
+def measure(name: str, args: argparse.Namespace, levels: list[int], pass_number: int, tokenizer: Path, tmp: Path,
             seen: dict) -> list[dict]:
-    """A warm-up, then every level, against one server: `llmserve` (a stack started here, or --target)
-    or `llama-server`. Puts what the server told about itself (llama-server's command line and
+    """A warm-up, then every level, against one server in pass `pass_number`: `llmserve` (a stack started
+    here, or --target) or `llama-server`. Puts what the server told about itself (llama-server's command line and
     system info) in `seen`."""
     server = stack = None
     try:
@@ -243,12 +255,13 @@ def measure(name: str, args: argparse.Namespace, levels: list[int], tokenizer: P
             target = stack.http_url
         if args.warmup_requests:
             print(f"warm-up of {name}", flush=True)
-            run_level(target, tokenizer, 1, args.warmup_requests, args, tmp / f"{name}-warmup.json")
+            run_level(target, tokenizer, 1, args.warmup_requests, prompt_seed(pass_number, 0), args,
+                      tmp / f"{name}-warmup.json")
         if server is not None:
             seen.update(command=shlex.join(server.command), system_info=server.system_info())
-        return [summarize(run_level(target, tokenizer, streams, args.requests, args, tmp / f"{name}-c{streams}.json"),
-                          streams, args.slo_ttft_ms, args.slo_tpot_ms)
-                for streams in levels]
+        return [summarize(run_level(target, tokenizer, streams, args.requests, prompt_seed(pass_number, run), args,
+                                    tmp / f"{name}-c{streams}.json"), streams, args.slo_ttft_ms, args.slo_tpot_ms)
+                for run, streams in enumerate(levels, 1)]
     finally:
         for running in (server, stack):
             if running is not None:
@@ -268,6 +281,7 @@ def run_record(args: argparse.Namespace, argv: list[str], machine: dict, model: 
                      "request_format": request_format(args), "prompt_tokens": args.prompt_tokens,
                      "output_tokens": args.output_tokens, "requests": args.requests,
                      "warmup_requests": args.warmup_requests,
+                     "prompt_seeds": "guidellm --seed 1000 * pass + run (run 0: the warm-up), both servers alike",
                      "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
                      "target": args.target or "a stack started here (1 CPU worker, defaults)"},
         "llama_server": llama,
@@ -356,10 +370,10 @@ def main(argv: list[str]) -> int:
     passes = []
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = tokenizer_dir(Path(tmp) / "tokenizer", model_store.resolve(args.model))
-        for order in orders:
+        for pass_number, order in enumerate(orders, 1):
             seen: dict = {}
-            passes.append({"order": order,
-                           "servers": {name: measure(name, args, levels, tokenizer, Path(tmp), seen) for name in order}})
+            passes.append({"order": order, "servers": {name: measure(name, args, levels, pass_number, tokenizer,
+                                                                     Path(tmp), seen) for name in order}})
             if llama is not None:
                 llama.update(seen)
     slo = f"TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms"

@@ -160,3 +160,12 @@ def test_check_fails_on_a_stale_doc_and_passes_once_rendered(tmp_path):
 
 def test_docs_performance_is_rendered_from_the_committed_results():
     assert report.main(["--check"]) == 0, "docs/performance.md's generated region is stale: run bench/report.py"
+
+
+def test_every_guidellm_run_of_a_bench_draws_its_own_prompts():
+    """guidellm draws the same prompts for the same seed: a level that reused the warm-up's seed was
+    served from both servers' prefix caches (a 1,500-token "distinct" prompt's TTFT was ~200 ms)."""
+    levels = 4
+    runs = [(pass_number, run) for pass_number in (1, 2) for run in range(levels + 1)]  # run 0: the warm-up
+    seeds = [openai_standard.prompt_seed(pass_number, run) for pass_number, run in runs]
+    assert len(set(seeds)) == len(runs)
