@@ -33,6 +33,8 @@ logger = structlog.get_logger(__name__)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno"]
+# libm, and on x86-64 glibc its vector math library (paged_attention.c's softmax calls libmvec's expf)
+LIBS = ["-lm", "-lmvec"] if _X86 and platform.libc_ver()[0] == "glibc" else ["-lm"]
 
 
 def _sources() -> list[Path]:
@@ -48,14 +50,14 @@ def _build(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     compiler = os.environ.get("CC") or "cc"
-    subprocess.run([compiler, *CFLAGS, str(source), "-o", str(tmp), "-lm"], check=True, capture_output=True)
+    subprocess.run([compiler, *CFLAGS, str(source), "-o", str(tmp), *LIBS], check=True, capture_output=True)
     tmp.replace(target)
 
 
 def _target(name: str) -> Path:
     """The built file, keyed by every kernel source (a kernel may #include another) and the flags."""
     sources = b"".join(path.read_bytes() for path in _sources())
-    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(sources + " ".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
     return model_store.cache_dir() / "cpu_kernels" / f"{name}-{digest}.so"
 
 

@@ -35,6 +35,38 @@ static inline const float *token_row(const float *cache, const int32_t *table, i
     return cache + ((long)table[t / block_size] * block_size + t % block_size) * row_stride;
 }
 
+#if defined(__AVX2__) && defined(__GLIBC__)
+#define LIBMVEC 1
+#include <immintrin.h>
+/* glibc's libmvec expf, 8 at a time (the AVX2 variant, named by the x86-64 vector function ABI) */
+__m256 _ZGVdN8v_expf(__m256 x);
+#endif
+
+/* w[t] = exp(w[t] - max) for t < n, and their sum. On AVX2 with glibc the first n - n % 8 go through
+ * libmvec's vector expf into 8 partial sums (t mod 8) added in a fixed order, the rest through libm's
+ * expf: one libm call a weight was a sixth of a prefill chunk's attention (docs/performance.md).
+ * Which t takes which path depends only on n, so a query's weights are the same bits in any batch. */
+static inline float exp_and_sum(float *__restrict__ w, int n, float max) {
+    float sum = 0.f;
+    int t = 0;
+#ifdef LIBMVEC
+    __m256 part = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(w + t), _mm256_set1_ps(max)));
+        _mm256_storeu_ps(w + t, e);
+        part = _mm256_add_ps(part, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, part);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; t < n; t++) {
+        w[t] = expf(w[t] - max);
+        sum += w[t];
+    }
+    return sum;
+}
+
 #define PREFETCH_TOKENS 4 /* rows asked for ahead of the one in hand */
 
 /* One query (all heads) over its context: scores, softmax, weighted sum of V. K and V are each
@@ -68,14 +100,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
         }
     }
     /* softmax weights (unnormalised) and their sum, per head */
-    for (int j = 0; j < num_heads; j++) {
-        float *w = scores + (long)j * context_len;
-        sum[j] = 0.f;
-        for (int t = 0; t < context_len; t++) {
-            w[t] = expf(w[t] - max_score[j]);
-            sum[j] += w[t];
-        }
-    }
+    for (int j = 0; j < num_heads; j++) sum[j] = exp_and_sum(scores + (long)j * context_len, context_len, max_score[j]);
     /* out_j = sum_t w[j, t] * v_t / sum_j */
     for (long i = 0; i < (long)num_heads * head_dim; i++) acc[i] = 0.f;
     for (int t = 0; t < context_len; t++) {
