@@ -1,5 +1,5 @@
 """GGUF blocks -> codes and scales (ops/weights/gguf_blocks.py) decode to gguf's own values, for every type,
-and pack into the C kernel's bit planes without loss (ops/cpu/kquant_linear.py)."""
+and pack into the C kernels' bit planes without loss (ops/cpu/block_linear.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from gpu_worker.ops.cpu import kquant_linear
+from gpu_worker.ops.cpu import block_linear
 from gpu_worker.ops.weights import gguf_blocks
 from tests.unit.gguf_random import random_blocks
 
@@ -39,15 +39,15 @@ def test_codes_fit_the_types_width(ggml_type):
     assert codes.min() == low and codes.max() == high  # random bytes reach both ends
 
 
-@pytest.mark.parametrize("bits", kquant_linear.K_BITS)
+@pytest.mark.parametrize("bits", sorted(block_linear.PLANES))
 def test_bit_planes_hold_the_codes(bits):
-    """Unpack the planes as the C file's layout comment describes them and get every code back."""
+    """Unpack the planes as the C files' layout comments describe them and get every code back."""
     rng = np.random.default_rng(bits)
     codes = rng.integers(0, 2 ** bits, (3, 96), dtype=np.uint8)  # 96: one and a half pairs, zero padded
-    packed = kquant_linear.pack_codes(codes, bits).reshape(3, 2, 8 * bits)
+    packed = block_linear.pack_codes(codes, bits).reshape(3, 2, 8 * bits)
     back = np.zeros((3, 2, 2, 32), dtype=np.uint8)  # row, pair, block, weight
     at = 0
-    for plane, shift in kquant_linear.PLANES[bits]:
+    for plane, shift in block_linear.PLANES[bits]:
         size = {"nibble": 32, "crumb": 16, "bit": 8}[plane]
         part = packed[..., at:at + size].reshape(3, 2, 2, size // 2)
         at += size

@@ -134,12 +134,12 @@ def steps(model: LlamaModel, in_c: bool = True) -> torch.Tensor:
 
 
 def assert_close_logits(model: LlamaModel, ref: LlamaModel) -> None:
-    """The kernels' 16-bit input codes (~1.5e-5 of a block's largest input) over 2 layers and the head put
-    the logits within ~1e-4 of fp32's (7.8e-5 at most for MIX); 1e-3 relative leaves room and still
-    catches one wrong weight row or scale."""
+    """The kernels' input codes (8-bit for Q4_1 and Q5_1: half a step of a block's largest input / 127;
+    16-bit for the others) over 2 layers and the head put the logits within ~4e-3 of fp32's; 2e-2
+    relative leaves room and still catches one wrong weight row or scale."""
     got, want = steps(model), steps(ref)
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
-    assert rel < 1e-3, rel
+    assert rel < 2e-2, rel
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from gpu_worker.ops.cpu import kquant_linear
 from gpu_worker.ops.cpu.backend import CpuBackend
 from gpu_worker.ops.weights import gguf_blocks, gguf_weight, packed_linear, quantized_linear
 from gpu_worker.ops.weights.gguf_weight import FileTensor
-from gpu_worker.ops.weights.quantized_linear import Int4Weight, Int8Weight, KQuantWeight, Q4_1Weight, Q8_0Weight
+from gpu_worker.ops.weights.quantized_linear import Int4Weight, Int8Weight, KQuantWeight, Q4_1Weight, Q5_1Weight, Q8_0Weight
 from tests.unit.gguf_random import random_blocks
 
 FORMATS = sorted(quantized_linear.FORMATS)
@@ -32,6 +32,19 @@ CLASSES = [Int8Weight, Int4Weight, pytest.param(Q4_1Weight, marks=needs_block_ke
 # relative error against F.linear: int8 per channel keeps ~1/254 of a row's range, Q8_0 ~1/254 of a
 # group's, int4 in groups of 32 ~1/30 of a group's
 TOLERANCE = {Int8Weight: 0.01, Int4Weight: 0.08, Q4_1Weight: 0.08, Q8_0Weight: 0.01}
+
+
+# the largest activation code of each C kernel's input rows (block_linear.c, kquant_linear.c)
+CODE_MAX = {Q4_1Weight: 127, Q5_1Weight: 127, Q8_0Weight: 32767, KQuantWeight: 32767}
+
+
+def on_code_grid(x: torch.Tensor, code_max: int) -> torch.Tensor:
+    """x [M, K] as a C kernel quantizes it, in float64: per block of 32, xd = max |x| / code_max and
+    codes round(x / xd) (to nearest even, as the kernels' nearbyintf), each as code * xd."""
+    blocks = x.view(x.shape[0], -1, 32)
+    xd = blocks.abs().amax(dim=-1, keepdim=True) / code_max
+    inv = torch.where(xd > 0, 1 / xd, torch.zeros_like(xd))
+    return (torch.round(blocks * inv).double() * xd.double()).view(x.shape)
 
 
 def q4_1_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -72,8 +85,8 @@ def test_int4_recovers_q4_1_codes_exactly():
 @needs_block_kernel
 def test_q4_1_blocks_hold_a_q4_1_file_exactly_and_the_kernel_follows_fp32():
     """A Q4_1-dequantized weight packs back to its own codes, d (exact in fp16) and m, so the
-    block kernel differs from an fp32 GEMM only by its 16-bit activation codes: ~1e-5 relative,
-    against bf16 activations' ~1e-2 on torch's kernel."""
+    block kernel differs from an fp64 GEMM of its 8-bit activation codes only by fp32 sums: ~1e-7
+    relative, where a wrong code or scale is ~1e-2 and more."""
     gen = torch.Generator().manual_seed(3)
     w = q4_1_weight(64, 128, gen)
     weight = Q4_1Weight(w)
@@ -82,8 +95,8 @@ def test_q4_1_blocks_hold_a_q4_1_file_exactly_and_the_kernel_follows_fp32():
     d = weight.scales.float()[..., None]
     assert torch.equal((codes * d + weight.offsets.float()[..., None]).view(64, 128), w)
     x = torch.randn(5, 128, generator=gen)
-    out, ref = Q4_1Weight(w)(x), F.linear(x, w)
-    assert ((out - ref).norm() / ref.norm()) < 1e-4
+    out, ref = Q4_1Weight(w)(x).double(), on_code_grid(x, 127) @ w.double().t()
+    assert ((out - ref).norm() / ref.norm()) < 1e-6
 
 
 @needs_block_kernel
@@ -110,8 +123,8 @@ def test_block_kernel_follows_fp32_with_an_odd_block_count_too(cls, k):
     weight = cls(w)
     dequantized = weight(torch.eye(k)).t()  # the weight the kernel multiplies by, row by row
     x = torch.randn(7, k, generator=gen)
-    out, ref = weight(x), F.linear(x, dequantized)
-    assert ((out - ref).norm() / ref.norm()) < 1e-4
+    out, ref = weight(x).double(), on_code_grid(x, CODE_MAX[cls]) @ dequantized.double().t()
+    assert ((out - ref).norm() / ref.norm()) < 1e-6
     if cls is Q4_1Weight:
         torch.testing.assert_close(dequantized, w, rtol=0, atol=1e-4)
 
@@ -232,21 +245,21 @@ def widths(ggml_type) -> list[int]:
 
 @pytest.mark.parametrize("ggml_type", FILE_TYPES)
 def test_file_blocks_run_on_the_c_kernels_and_follow_the_dequantized_weight(ggml_type):
-    """Against x @ W.T in float64 with W gguf's own dequantization: the kernels' only rounding is the input
-    rows' 16-bit codes per block of 32 (half a step of max|x| / 32767, ~1.5e-5 of a block's largest value)
-    and fp32 sums, so 1e-4 relative is some 5x their error; a wrong code, scale or sub-block is ~1."""
+    """Against x @ W.T in float64 with x on the kernel's code grid and W gguf's own dequantization: the
+    kernels' only other rounding is fp32 sums (~1e-7 relative), so 1e-6 relative is some 5x that; a
+    wrong code, scale or sub-block is ~1."""
     blocks = {gguf_blocks.T.Q4_0: Q4_1Weight, gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q5_0: Q8_0Weight,
-              gguf_blocks.T.Q8_0: Q8_0Weight}
+              gguf_blocks.T.Q5_1: Q5_1Weight, gguf_blocks.T.Q8_0: Q8_0Weight}
     expected = blocks.get(ggml_type, KQuantWeight)
     for k in widths(ggml_type):
         t = file_tensor(ggml_type, 40, k, seed=k)
         weight = gguf_weight.cpu_weight([t])
         assert type(weight) is expected
         x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
-        ref = x.double() @ t.dequantize().double().t()
+        ref = on_code_grid(x, CODE_MAX[expected]) @ t.dequantize().double().t()
         out = weight(x)
         assert out.dtype == torch.float32 and out.shape == (7, 40)
-        assert ((out.double() - ref).norm() / ref.norm()) < 1e-4, k
+        assert ((out.double() - ref).norm() / ref.norm()) < 1e-6, k
 
 
 @pytest.mark.parametrize("ggml_type", FILE_TYPES)

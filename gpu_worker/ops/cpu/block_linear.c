@@ -1,27 +1,33 @@
-/* Linear layers over GGUF-style quantized blocks on the CPU: fp32 activations in, fp32 out,
- * integer dot products inside.
+/* Linear layers over GGUF's blocks of 32 on the CPU (Q4_0 and Q4_1 as Q4_1, Q5_1, Q5_0 and Q8_0 as
+ * Q8_0): fp32 activations in, fp32 out, integer dot products inside.
  *
- * Built by gpu_worker/ops/cpu_kernels.py with the system C compiler, called through ctypes.
+ * Built by gpu_worker/ops/cpu/build.py with the system C compiler, called through ctypes.
  * A weight [N, K] is N rows of G = K/32 blocks of 32 weights, each row padded to P = ceil(G/2)
  * pairs of blocks (a padding block is all zero). Per row and pair, the codes of blocks A = 2p and
- * B = 2p + 1 are stored so that one 256-bit load widens into four vectors of 16 int16 codes
- * [A 8c..8c+7 | B 8c..8c+7], c = 0..3 (cpu_block_linear.py packs them):
+ * B = 2p + 1 are stored as (block_linear.py and kquant_linear.py pack them):
  *   Q4_1: 32 bytes: A's 16 bytes, then B's; byte j holds code j (low nibble) and j + 16 (high), as
  *         a GGUF Q4_1 block has them; w = code * d + m
+ *   Q5_1: those 32 bytes of the low four bits, then 8 bytes of fifth bits: A's 4, then B's; byte c
+ *         holds the bit of weights 8c..8c+7 at bits 0..7; w = code * d + m
  *   Q8_0: 64 bytes: the four 16-byte chunks [A 8c..8c+7, B 8c..8c+7] of int8 codes; w = code * d
- * Beside them, per row and block: d [N, 2P] fp16 and, for Q4_1, m [N, 2P] fp16 (a GGUF block's own
- * scale and offset, exactly).
+ * Beside them, per row and block: d [N, 2P] fp16 and, for Q4_1 and Q5_1, m [N, 2P] fp16 (a GGUF
+ * block's own scale and offset, exactly; Q4_0's m is -8 d).
  *
- * Each call first quantizes its input rows to 16-bit codes in blocks of 32 (x ~ xcode * xd, xd =
- * max |x| / 32767: about 5 significant digits, finer than bf16), stored in the same pair order.
- * A pair's dot product is then four 16-bit integer multiply-adds (madd) whose int32 lanes 0-3
- * belong to block A and 4-7 to block B, scaled lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one
- * fp32 accumulator. Q4_1 adds sum over blocks of m * xd * sum(xcode), one short dot product per
- * output. llama.cpp rounds activations to 8 bits instead; at 16 bits the greedy tokens of a Q4_1
- * file match fp32's (bench/quality.py, README).
+ * Each call first quantizes its input rows in blocks of 32 (x ~ xcode * xd, xd = max |x| / code max)
+ * into codes stored in the same pair order:
+ *   - Q4_1 and Q5_1 take 8-bit codes, as llama.cpp's Q8_1 activations: a pair is two vectors of 32
+ *     byte codes [A 0..15 | B 0..15], [A 16..31 | B 16..31], and one multiply-add (maddubs) takes 32
+ *     pairs of an unsigned weight code and a signed input code. Their perplexity stays within 1 % of
+ *     llama.cpp's on the same file (docs/models.md); 16-bit codes took twice the multiply-adds.
+ *   - Q8_0 takes 16-bit codes (about 5 significant digits, finer than bf16), widened weight codes
+ *     and 16-bit multiply-adds: for signed weights, 8-bit input codes need a sign instruction a
+ *     vector on top, and were no faster.
+ * Either way a pair's products sum into int32 lanes 0-3 for block A and 4-7 for block B, scaled
+ * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. Q4_1 and Q5_1 add the sum over
+ * blocks of m * xd * sum(xcode), one short dot product per output.
  *
  * Blocking: a thread takes GROUP_ROWS weight rows (in L1 while it works on them) and sweeps the
- * input rows ROW_TILE at a time, so each widened weight pair serves ROW_TILE rows from registers
+ * input rows ROW_TILE at a time, so each loaded weight pair serves ROW_TILE rows from registers
  * and each tile of input codes serves GROUP_ROWS weight rows from L1.
  *
  * out[r, n] is computed by one thread with the same sequence of operations whatever M, the row
@@ -37,28 +43,22 @@
 #include <stdlib.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
-#error "cpu_block_linear.c needs AVX2, FMA and F16C"
+#error "block_linear.c needs AVX2, FMA and F16C"
 #endif
 
 #define BLOCK 32
 #define PAIR 64         /* weights per pair of blocks */
 #define Q4_1_PAIR_BYTES 32
+#define Q5_1_PAIR_BYTES 40
 #define Q8_0_PAIR_BYTES 64
 #define ROW_TILE 4      /* input rows sharing one widened weight pair (the calls below name 1-3) */
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
-#define CODE_MAX 32767  /* activation codes are 16-bit */
+#define CODE_MAX 32767  /* 16-bit activation codes */
+#define BYTE_CODE_MAX 127 /* 8-bit activation codes */
 /* How far ahead of the pair in hand a thread asks for its weights. The hardware prefetchers stop
  * at each 4 KiB page, so a thread streaming a decode step's weights waited on every page
  * (docs/performance.md, "Figures behind the CPU kernels' settings"). */
 #define PREFETCH_BYTES 4096
-
-/* the input rows: codes [M, P * 64] in pair order; per pair the lane scales [M, P * 8]
- * (xd_A x4, xd_B x4); per block [M, 2P] xd * sum(codes) */
-typedef struct {
-    int16_t *codes;
-    float *lane_scale;
-    float *scaled_sum;
-} QuantRows;
 
 /* fixed-order sum of 8 lanes: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two */
 static inline float hsum(__m256 v) {
@@ -80,31 +80,52 @@ static inline float dot_f16(const uint16_t *__restrict__ a, const float *__restr
     return s;
 }
 
-/* rows [M, K] fp32 -> QuantRows (symmetric per block of 32, round to nearest even; padding zero) */
-static void quantize_rows(const float *__restrict__ x, int M, int K, QuantRows q) {
-    const int blocks = K / BLOCK, pairs = (blocks + 1) / 2;
-    for (long r = 0; r < M; r++) {
-        for (int b = 0; b < 2 * pairs; b++) {
-            const long slot = r * 2 * pairs + b;
-            int16_t *pair_codes = q.codes + (r * pairs + b / 2) * PAIR;
-            float *lanes = q.lane_scale + (r * pairs + b / 2) * 8 + (b % 2) * 4;
-            const float *v = b < blocks ? x + r * K + (long)b * BLOCK : NULL; /* NULL: the padding block */
-            float amax = 0.f;
-            for (int i = 0; v && i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax / (float)CODE_MAX;
-            const float inv = d > 0.f ? 1.f / d : 0.f;
-            int sum = 0;
-            for (int i = 0; i < BLOCK; i++) {
-                const int c = v ? (int)nearbyintf(v[i] * inv) : 0;
-                /* weight i of block A/B: chunk i / 8, half b % 2, place i % 8 */
-                pair_codes[(i / 8) * 16 + (b % 2) * 8 + i % 8] = (int16_t)c;
-                sum += c;
-            }
-            for (int i = 0; i < 4; i++) lanes[i] = d;
-            q.scaled_sum[slot] = d * (float)sum;
-        }
+/* One block of 32 inputs (NULL: a padding block) -> codes c ~ v / d with |c| <= code_max, rounded
+ * to nearest even; returns d (0 for an all-zero block) and sets *sum to the sum of the codes. */
+static inline float quantize_block(const float *__restrict__ v, float code_max, int codes[BLOCK], int *sum) {
+    float amax = 0.f;
+    for (int i = 0; v && i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+    const float d = amax / code_max;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    *sum = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        codes[i] = v ? (int)nearbyintf(v[i] * inv) : 0;
+        *sum += codes[i];
     }
+    return d;
 }
+
+/* The input rows as codes of one width: codes [M, P * 64] in pair order; per pair the lane scales
+ * [M, P * 8] (xd_A x4, xd_B x4); per block [M, 2P] xd * sum(codes). */
+#define DEFINE_QUANT_ROWS(TYPE, CODE, QUANTIZE, MAX, PLACE)                                               \
+    typedef struct {                                                                                       \
+        CODE *codes;                                                                                       \
+        float *lane_scale;                                                                                 \
+        float *scaled_sum;                                                                                 \
+    } TYPE;                                                                                                \
+    /* rows [M, K] fp32 -> TYPE (padding blocks zero) */                                                   \
+    static void QUANTIZE(const float *__restrict__ x, int M, int K, TYPE q) {                              \
+        const int blocks = K / BLOCK, pairs = (blocks + 1) / 2;                                            \
+        for (long r = 0; r < M; r++) {                                                                     \
+            for (int b = 0; b < 2 * pairs; b++) {                                                          \
+                int codes[BLOCK], sum;                                                                     \
+                const float d = quantize_block(b < blocks ? x + r * K + (long)b * BLOCK : NULL, MAX, codes, &sum); \
+                CODE *pair_codes = q.codes + (r * pairs + b / 2) * PAIR;                                   \
+                for (int i = 0; i < BLOCK; i++) pair_codes[PLACE(i, b % 2)] = (CODE)codes[i];              \
+                float *lanes = q.lane_scale + (r * pairs + b / 2) * 8 + (b % 2) * 4;                       \
+                for (int i = 0; i < 4; i++) lanes[i] = d;                                                  \
+                q.scaled_sum[r * 2 * pairs + b] = d * (float)sum;                                          \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+
+/* where weight i of block A (half 0) or B (half 1) sits in a pair: 16-bit codes in four chunks of
+ * [A 8c..8c+7 | B 8c..8c+7], 8-bit ones in two vectors of [A 16v..16v+15 | B 16v..16v+15] */
+#define PLACE_WORDS(i, half) (((i) / 8) * 16 + (half) * 8 + (i) % 8)
+#define PLACE_BYTES(i, half) (((i) / 16) * 32 + (half) * 16 + (i) % 16)
+
+DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, PLACE_WORDS)
+DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, PLACE_BYTES)
 
 /* A weight pair widened to four vectors of 16 int16 codes (the layout above) and its lane
  * scales [d_A x4 | d_B x4] in fp32. */
@@ -113,6 +134,13 @@ typedef struct {
     __m256 d;
 } Pair;
 
+/* A weight pair as two vectors of 32 unsigned byte codes [A 0..15 | B 0..15], [A 16..31 | B 16..31] and
+ * its lane scales. */
+typedef struct {
+    __m256i c[2];
+    __m256 d;
+} BytePair;
+
 static inline __m256 lane_scales(const uint16_t *d) {
     uint32_t two;
     __builtin_memcpy(&two, d, 4);
@@ -120,13 +148,44 @@ static inline __m256 lane_scales(const uint16_t *d) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ab), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
-static inline Pair load_q4_1(const uint8_t *codes, const uint16_t *d) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)codes);
-    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
-    const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-    return (Pair){{_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero), _mm256_unpacklo_epi8(hi, zero),
-                   _mm256_unpackhi_epi8(hi, zero)},
-                  lane_scales(d)};
+/* the nibble plane as byte codes: lo holds c = 0, 1 in each lane's bytes 0-7, 8-15 (lane 0 A's weights
+ * 8c..8c+7, lane 1 B's), hi c = 2, 3 */
+static inline void nibble_bytes(const uint8_t *p, __m256i *lo, __m256i *hi) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(raw, low4), *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+}
+
+/* The bit plane as byte codes laid out as nibble_bytes' (1 << at where the bit is set, else 0): each lane
+ * broadcasts its block's 4 bytes, byte c spread over the 8 bytes of weights 8c..8c+7, one bit each. */
+static inline void bit_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
+    const __m128i ab = _mm_loadl_epi64((const __m128i *)p); /* A's 4 bytes, B's 4 */
+    const __m256i t = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(ab),
+                                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* [A x4 | B x4] */
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i value = _mm256_set1_epi8((char)(1 << at));
+    const __m256i c01 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i c23 = _mm256_add_epi8(c01, _mm256_set1_epi8(2));
+    const __m256i b01 = _mm256_and_si256(_mm256_shuffle_epi8(t, c01), bit);
+    const __m256i b23 = _mm256_and_si256(_mm256_shuffle_epi8(t, c23), bit);
+    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(b01, bit), value);
+    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b23, bit), value);
+}
+
+static inline BytePair load_q4_1(const uint8_t *codes, const uint16_t *d) {
+    BytePair p;
+    nibble_bytes(codes, &p.c[0], &p.c[1]);
+    p.d = lane_scales(d);
+    return p;
+}
+
+/* the fifth bits join the nibbles as bytes */
+static inline BytePair load_q5_1(const uint8_t *codes, const uint16_t *d) {
+    __m256i lo, hi, bit_lo, bit_hi;
+    nibble_bytes(codes, &lo, &hi);
+    bit_bytes(codes + 32, 4, &bit_lo, &bit_hi);
+    return (BytePair){{_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi)}, lane_scales(d)};
 }
 
 static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
@@ -136,9 +195,9 @@ static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
     return p;
 }
 
-/* acc += (w . x) * [d xd] for one pair of one input row. Every partial integer sum is below 2^24
- * (|w| <= 127, |x| <= 2^15 - 1, 16 products a lane), so the int32 -> fp32 conversion is exact. */
-static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, const float *lane_scale) {
+/* acc += (w . x) * [d xd] for one pair of one input row's 16-bit codes. Every partial integer sum is
+ * below 2^24 (|w| <= 127, |x| <= 2^15 - 1, 16 products a lane), so the int32 -> fp32 conversion is exact. */
+static inline __m256 accumulate_words(__m256 acc, const Pair *w, const int16_t *x, const float *lane_scale) {
     const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
                                          _mm256_madd_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
     const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(w->c[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
@@ -147,10 +206,20 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s01, s23)), scale, acc);
 }
 
+/* The same for unsigned byte codes (at most 31) and 8-bit input codes: a 16-bit lane of the two
+ * multiply-adds' sum holds 4 products of at most 31 * 127 and an int32 lane 8, so nothing saturates
+ * and the conversion is exact. */
+static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_t *x, const float *lane_scale) {
+    const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
+                                       _mm256_maddubs_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32))));
+    const __m256 scale = _mm256_mul_ps(w->d, _mm256_loadu_ps(lane_scale));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, _mm256_set1_epi16(1))), scale, acc);
+}
+
 /* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one
  * weight row (its codes, d and, for Q4_1, offsets m; else NULL). */
-#define DEFINE_ROW_TILE(NAME, LOAD, PAIR_BYTES)                                                              \
-    static inline __attribute__((always_inline)) void NAME(QuantRows q, long row, int rows, int pairs,       \
+#define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
+    static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int pairs,            \
                                                            const uint8_t *__restrict__ codes,                \
                                                            const uint16_t *__restrict__ d,                   \
                                                            const uint16_t *__restrict__ offsets,             \
@@ -159,10 +228,10 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
         for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();                                     \
         for (int p = 0; p < pairs; p++) {                                                                    \
             _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);       \
-            const Pair w = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                    \
+            const PAIR_T w = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                    \
             for (int r = 0; r < rows; r++) {                                                                 \
                 const long xp = (row + r) * pairs + p;                                                       \
-                acc[r] = accumulate(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                 \
+                acc[r] = ACCUMULATE(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                 \
             }                                                                                                \
         }                                                                                                    \
         /* the scales and offsets: 4 bytes a pair against the codes' 32 or 64 */                             \
@@ -175,22 +244,23 @@ static inline __m256 accumulate(__m256 acc, const Pair *w, const int16_t *x, con
         }                                                                                                    \
     }
 
-DEFINE_ROW_TILE(q4_1_tile, load_q4_1, Q4_1_PAIR_BYTES)
-DEFINE_ROW_TILE(q8_0_tile, load_q8_0, Q8_0_PAIR_BYTES)
+DEFINE_ROW_TILE(q4_1_tile, ByteRows, BytePair, load_q4_1, accumulate_bytes, Q4_1_PAIR_BYTES)
+DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1_PAIR_BYTES)
+DEFINE_ROW_TILE(q8_0_tile, QuantRows, Pair, load_q8_0, accumulate_words, Q8_0_PAIR_BYTES)
 
-/* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] fp16 (Q4_1) or NULL
+/* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] fp16 (Q4_1, Q5_1) or NULL
  * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
-#define DEFINE_LINEAR(NAME, TILE, PAIR_BYTES)                                                                \
+#define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_BYTES)                                             \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
              const uint16_t *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
-        QuantRows q = {malloc(sizeof(int16_t) * (size_t)M * pairs * PAIR),                                   \
+        ROWS q = {malloc(sizeof(*q.codes) * (size_t)M * pairs * PAIR),                                        \
                        malloc(sizeof(float) * (size_t)M * pairs * 8), malloc(sizeof(float) * (size_t)M * pairs * 2)}; \
         if (!q.codes || !q.lane_scale || !q.scaled_sum) {                                                    \
             free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                           \
             return -1;                                                                                       \
         }                                                                                                    \
-        quantize_rows(x, M, K, q);                                                                           \
+        QUANTIZE(x, M, K, q);                                                                                \
         const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;                                                \
         /* guided: a fetch takes the groups left over the thread count, down to one group, so the       \
          * threads finish together after a few fetches a call; a thread the OS preempts (other           \
@@ -219,5 +289,6 @@ DEFINE_ROW_TILE(q8_0_tile, load_q8_0, Q8_0_PAIR_BYTES)
         return 0;                                                                                            \
     }
 
-DEFINE_LINEAR(q4_1_linear_f32, q4_1_tile, Q4_1_PAIR_BYTES)
-DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, Q8_0_PAIR_BYTES)
+DEFINE_LINEAR(q4_1_linear_f32, q4_1_tile, ByteRows, quantize_rows_8bit, Q4_1_PAIR_BYTES)
+DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, Q5_1_PAIR_BYTES)
+DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Q8_0_PAIR_BYTES)

@@ -1,10 +1,11 @@
 """ctypes binding of block_linear.c: x [M, K] fp32 @ a block-quantized weight [N, K] -> [M, N] fp32.
 
 A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P * pair bytes]
-(Q4_1: 4-bit, 32 bytes a pair; Q8_0: int8, 64 bytes a pair, both in the order the kernel widens
-them), fp16 scales d [N, 2P] and, for Q4_1, fp16 offsets m [N, 2P]. They are read in place and
-multiplied as integers against 16-bit codes of the activations. See the C file for the layout
-and for why a row's output is the same bits for any number of rows and threads.
+(Q4_1: 4-bit, 32 bytes a pair; Q5_1: 5-bit in a nibble and a bit plane, 40 bytes; Q8_0: int8, 64
+bytes; each in the order the kernel reads them), fp16 scales d [N, 2P] and, for Q4_1 and Q5_1, fp16
+offsets m [N, 2P]. They are read in place and multiplied as integers against 8-bit (Q4_1, Q5_1) or
+16-bit (Q8_0) codes of the activations. See the C file for the layout, for that choice and for why a
+row's output is the same bits for any number of rows and threads.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import numpy as np
 import torch
 
 from gpu_worker.ops.cpu import build
 
 BLOCK = 32
-KINDS = ("q4_1", "q8_0")
+KINDS = ("q4_1", "q5_1", "q8_0")
+# bit planes per code width, low bits first: (plane, shift); nibble 4 bits, crumb 2, bit 1
+PLANES = {2: (("crumb", 0),), 3: (("crumb", 0), ("bit", 2)), 4: (("nibble", 0),), 5: (("nibble", 0), ("bit", 4)),
+          6: (("nibble", 0), ("crumb", 4))}
 _ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
 # Up to this many rows a call runs on one thread. A one-sequence decode step is the shortest there is,
 # and the other core is busy meanwhile with that token's work in the worker's event loop, Valkey and
@@ -80,3 +85,34 @@ def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> Packed:
     paired = _pad_to_pairs(codes.to(torch.int8)).view(codes.shape[0], -1, 2, 4, 8).transpose(2, 3)  # [N, P, c, A|B, 8]
     paired = paired.contiguous().view(torch.uint8)
     return paired.flatten(1).contiguous(), _pad_to_pairs(d).to(torch.float16).contiguous(), None
+
+
+def _plane(codes: np.ndarray, plane: str) -> np.ndarray:
+    """codes [N, P, 2, 32] (pair, block, weight) of the plane's bits -> [N, P, plane bytes]."""
+    n, p = codes.shape[:2]
+    if plane == "nibble":
+        return (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, p, 32)
+    by_chunk = codes.reshape(n, p, 2, 4, 8)  # [.., block, chunk c, i]: weight 8c + i
+    if plane == "crumb":
+        return np.bitwise_or.reduce([by_chunk[..., c, :] << (2 * c) for c in range(4)]).reshape(n, p, 16)
+    return np.bitwise_or.reduce([by_chunk[..., i] << i for i in range(8)]).reshape(n, p, 8)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """codes [N, K] in 0..2^bits - 1 -> [N, P * 8 bits] uint8 bit planes (K padded with zeros to 64 P)."""
+    n, k = codes.shape
+    pairs = -(-k // 64)
+    padded = np.zeros((n, pairs * 64), dtype=np.uint8)
+    padded[:, :k] = codes
+    by_pair = padded.reshape(n, pairs, 2, 32)
+    planes = [_plane((by_pair >> shift) & {"nibble": 15, "crumb": 3, "bit": 1}[plane], plane)
+              for plane, shift in PLANES[bits]]
+    return np.concatenate(planes, axis=-1).astype(np.uint8).reshape(n, -1)
+
+
+def pack_q5_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Packed:
+    """codes [N, G, 32] in 0..31, d and m [N, G] -> (codes [N, P * 40] uint8: per pair the nibble plane,
+    then the bit plane, d and m [N, 2P] fp16)."""
+    planes = pack_codes(codes.flatten(1).to(torch.uint8).numpy(), 5)
+    return (torch.from_numpy(planes), _pad_to_pairs(d).to(torch.float16).contiguous(),
+            _pad_to_pairs(m).to(torch.float16).contiguous())

@@ -1,28 +1,24 @@
-/* Linear layers over the GGUF types of 2 to 6 bits (ops/weights/gguf_blocks.py), losslessly repacked:
- * fp32 activations in, fp32 out, integer dot products inside, as block_linear.c does for Q4_1.
+/* Linear layers over GGUF's K types (Q2_K..Q6_K; ops/weights/gguf_blocks.py), losslessly repacked:
+ * fp32 activations in, fp32 out, integer dot products inside, as block_linear.c does for the legacy types.
  *
- * A weight [N, K] is N rows of P = ceil(K/64) pairs of 32-weight blocks A and B (a padding block is
- * all zero), w = scale * code + offset per sub-block. The codes of a pair are b bits a weight, in
- * bit planes that widen into block_linear.c's four vectors of 16 int16 codes
- * [A 8c..8c+7 | B 8c..8c+7], c = 0..3 (kquant_linear.py packs them):
+ * A weight [N, K] (K a multiple of 256) is N rows of P = K/64 pairs of 32-weight blocks A and B,
+ * w = scale * code + offset per sub-block of 16. The codes of a pair are b bits a weight, in bit
+ * planes that widen into four vectors of 16 int16 codes [A 8c..8c+7 | B 8c..8c+7], c = 0..3
+ * (kquant_linear.py packs them):
  *   nibble plane, 32 bytes: the low 4 bits as block_linear.c's Q4_1 codes
  *   crumb plane, 16 bytes: A's 8 bytes, then B's; byte i holds 2 bits of weight 8c + i at bits 2c
- *   bit plane, 8 bytes: A's 4 bytes, then B's; byte c holds 1 bit of weights 8c..8c+7 at bits 0..7
+ *   bit plane, 8 bytes: block_linear.c's Q5_1 fifth bits
  *   b = 2: crumbs; 3: crumbs, bits (x4); 4: nibbles; 5: nibbles, bits (x16); 6: nibbles, crumbs (x16)
- * Scales, two kinds:
- *   legacy (Q5_1; Q4_0 and Q5_0 run on block_linear.c as Q4_1 and Q8_0): per row and block the
- *         file's fp16 d and m [N, 2P]
- *   K types (Q2_K..Q6_K, K a multiple of 256): per row and super-block of 256 d and dmin [N, K/256]
- *         fp32, per 16 weights sc and mn [N, K/16] int8: scale = d * sc, offset = dmin * mn (exact)
+ * Scales: per row and super-block of 256 d and dmin [N, K/256] fp32, per 16 weights sc and mn [N, K/16]
+ * int8: scale = d * sc, offset = dmin * mn (exact).
  *
- * The input rows are quantized to 16-bit codes per block of 32 by block_linear.c's
- * quantize_rows. A pair's dot product is four 16-bit multiply-adds: int32 lanes 0-3 of the first
- * two belong to A's first 16 weights and lanes 4-7 to B's, of the last two to their second 16, so
- * each half is scaled lane-wise by its own sub-block scale (16-weight sub-blocks cost nothing
- * extra); a legacy type has one scale a block, so its halves add as integers first (one conversion
- * and fma a pair). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a
- * pair. Q5's fifth bit and Q6's top two join the nibbles as bytes, so the codes widen to 16 bits once.
- * Every partial integer sum is below 2^24 (codes <= 63, |x| <= 2^15 - 1, 4 products a lane).
+ * The input rows are quantized to block_linear.c's 16-bit codes per block of 32. A pair's dot
+ * product is four 16-bit multiply-adds: int32 lanes 0-3 of the first two belong to A's first 16
+ * weights and lanes 4-7 to B's, of the last two to their second 16, so each half is scaled
+ * lane-wise by its own sub-block scale (16-weight sub-blocks cost nothing extra). The offsets add
+ * sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a pair. Q5's fifth bit and Q6's
+ * top two join the nibbles as bytes, so the codes widen to 16 bits once. Every partial integer sum
+ * is below 2^24 (codes <= 63, |x| <= 2^15 - 1, 4 products a lane).
  *
  * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
  * alone, in a decode batch or in a prefill chunk, for any thread count.
@@ -43,14 +39,6 @@ static void sub_block_sums(const QuantRows q, int M, int pairs, float *__restric
     }
 }
 
-/* the nibble plane as byte codes: lo holds c = 0, 1 in each lane's bytes 0-7, 8-15 (lane 0 A's weights
- * 8c..8c+7, lane 1 B's), hi c = 2, 3 */
-static inline void nibble_bytes(const uint8_t *p, __m256i *lo, __m256i *hi) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    *lo = _mm256_and_si256(raw, low4), *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-}
-
 /* byte codes lo, hi -> the four vectors of 16 int16 codes */
 static inline void widen(__m256i lo, __m256i hi, __m256i v[4]) {
     const __m256i zero = _mm256_setzero_si256();
@@ -62,23 +50,6 @@ static inline void nibble_plane(const uint8_t *p, __m256i v[4]) {
     __m256i lo, hi;
     nibble_bytes(p, &lo, &hi);
     widen(lo, hi, v);
-}
-
-/* The bit plane as byte codes laid out as nibble_bytes' (1 << at where the bit is set, else 0): each lane
- * broadcasts its block's 4 bytes, byte c spread over the 8 bytes of weights 8c..8c+7, one bit each. */
-static inline void bit_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
-    const __m128i ab = _mm_loadl_epi64((const __m128i *)p); /* A's 4 bytes, B's 4 */
-    const __m256i t = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(ab),
-                                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* [A x4 | B x4] */
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i value = _mm256_set1_epi8((char)(1 << at));
-    const __m256i c01 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m256i c23 = _mm256_add_epi8(c01, _mm256_set1_epi8(2));
-    const __m256i b01 = _mm256_and_si256(_mm256_shuffle_epi8(t, c01), bit);
-    const __m256i b23 = _mm256_and_si256(_mm256_shuffle_epi8(t, c23), bit);
-    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(b01, bit), value);
-    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b23, bit), value);
 }
 
 /* 5-bit codes: the fifth bit joins the nibbles as bytes, before one widening (not a widening each) */
@@ -136,33 +107,16 @@ typedef struct {
     __m128 off;
 } SubPair;
 
-/* The scales of one weight row: legacy (fp16 d and m per block) or K (fp32 d and dmin per 256; int8 sc
- * and mn per 16). */
+/* The scales of one weight row: fp32 d and dmin per 256, int8 sc and mn per 16. */
 typedef struct {
     const float *d, *offset;
     const int8_t *sc, *mn;
-    const uint16_t *d16, *m16;
 } RowScales;
 
 static inline void spread(SubPair *w, __m128 s4) {
     const __m256 s = _mm256_castps128_ps256(s4);
     w->lo = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
     w->hi = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
-}
-
-/* two fp16 values -> [a, b, 0, 0] fp32 (exact) */
-static inline __m128 f16x2(const uint16_t *p) {
-    uint32_t two;
-    __builtin_memcpy(&two, p, 4);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));
-}
-
-/* one scale a block: w->lo only (block_accumulate reads no w->hi) */
-static inline void legacy_scales(SubPair *w, RowScales s, int p) {
-    const __m128 d = f16x2(s.d16 + 2 * p); /* dA dB */
-    const __m128 m = f16x2(s.m16 + 2 * p); /* mA mB */
-    w->lo = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    w->off = _mm_unpacklo_ps(m, m);
 }
 
 static inline __m128 int8x4(const int8_t *p) {
@@ -185,17 +139,6 @@ static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int16_t 
     const __m256 xd = _mm256_loadu_ps(lane_scale);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(w->lo, xd), acc);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(w->hi, xd), acc);
-}
-
-/* A legacy pair has one scale a block, so its two halves' integer sums add before the one conversion:
- * 8 products a lane, below 2^24 for codes <= 31, so still exact in fp32. */
-static inline __m256 block_accumulate(__m256 acc, const SubPair *w, const int16_t *x, const float *lane_scale) {
-    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
-                                        _mm256_madd_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
-    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w->c[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
-                                        _mm256_madd_epi16(w->c[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
-    const __m256 xd = _mm256_loadu_ps(lane_scale);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), _mm256_mul_ps(w->lo, xd), acc);
 }
 
 /* fixed-order sum of 4 lanes */
@@ -227,21 +170,16 @@ static inline float hsum4(__m128 s) {
         for (int r = 0; r < rows; r++) out[r * N] = hsum(acc[r]) + hsum4(off[r]);                                    \
     }
 
-/* The scales of weight row n: legacy per block, K types per super-block and per 16 weights. */
-static inline RowScales row_scales(const void *d, const void *offset, const int8_t *sc, const int8_t *mn,
+/* The scales of weight row n: per super-block and per 16 weights. */
+static inline RowScales row_scales(const float *d, const float *offset, const int8_t *sc, const int8_t *mn,
                                    long n, int pairs) {
-    if (!sc)
-        return (RowScales){NULL, NULL, NULL, NULL, (const uint16_t *)d + n * 2 * pairs,
-                           (const uint16_t *)offset + n * 2 * pairs};
-    return (RowScales){(const float *)d + n * (pairs / 4), (const float *)offset + n * (pairs / 4),
-                       sc + n * 4 * pairs, mn + n * 4 * pairs, NULL, NULL};
+    return (RowScales){d + n * (pairs / 4), offset + n * (pairs / 4), sc + n * 4 * pairs, mn + n * 4 * pairs};
 }
 
-/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset (fp16 for legacy, fp32 for K types) and sc, mn int8
- * (NULL for legacy) as above;
+/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset [N, K/256] fp32 and sc, mn [N, K/16] int8 as above;
  * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
 #define DEFINE_SUB_LINEAR(NAME, TILE, PAIR_BYTES)                                                            \
-    int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const void *d, const void *offset, \
+    int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const float *d, const float *offset, \
              const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,                                    \
              float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
@@ -277,13 +215,12 @@ static inline RowScales row_scales(const void *d, const void *offset, const int8
         return 0;                                                                                            \
     }
 
-#define DEFINE_KIND(BITS, KIND, SCALES, ACCUMULATE)                                  \
-    DEFINE_SUB_TILE(KIND##BITS##_tile, CODES_##BITS, SCALES, ACCUMULATE, 8 * BITS) \
-    DEFINE_SUB_LINEAR(KIND##BITS##_linear_f32, KIND##BITS##_tile, 8 * BITS)
+#define DEFINE_KIND(BITS)                                                           \
+    DEFINE_SUB_TILE(k##BITS##_tile, CODES_##BITS, k_scales, sub_accumulate, 8 * BITS) \
+    DEFINE_SUB_LINEAR(k##BITS##_linear_f32, k##BITS##_tile, 8 * BITS)
 
-DEFINE_KIND(5, legacy, legacy_scales, block_accumulate)
-DEFINE_KIND(2, k, k_scales, sub_accumulate)
-DEFINE_KIND(3, k, k_scales, sub_accumulate)
-DEFINE_KIND(4, k, k_scales, sub_accumulate)
-DEFINE_KIND(5, k, k_scales, sub_accumulate)
-DEFINE_KIND(6, k, k_scales, sub_accumulate)
+DEFINE_KIND(2)
+DEFINE_KIND(3)
+DEFINE_KIND(4)
+DEFINE_KIND(5)
+DEFINE_KIND(6)

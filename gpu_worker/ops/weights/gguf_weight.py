@@ -4,18 +4,20 @@ backend's format FILE_FORMATS, gpu_worker/ops/cpu/backend.py).
     file type                  CPU linear                          kernel
     Q4_1, Q4_0                 Q4_1Weight (Q4_0's offset -8 d is    ops/cpu/block_linear.c
                                Q4_1's m; Q8_0 if it overflows fp16)
+    Q5_1                       Q5_1Weight                           ops/cpu/block_linear.c
     Q8_0, Q5_0                 Q8_0Weight (Q5_0's code - 16 is a    ops/cpu/block_linear.c
-                               Q8_0 code; 8.5 bits against 5.5)
-    Q5_1 Q2_K Q3_K Q4_K        KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
-    Q5_K Q6_K                  the file's scales)
+                               Q8_0 code: 8.5 bits against 5.5,
+                               faster than unpacking its 5th bits)
+    Q2_K Q3_K Q4_K Q5_K Q6_K   KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
+                               the file's scales)
     F32 F16 BF16               prepacked fp32 (ops/weights/packed_linear.py)
 
 Every conversion is lossless (ops/weights/gguf_blocks.py) and goes from the file's bytes straight to
 the kernel's layout, with no float copy of a quantized weight. A fused weight (Q, K and V; gate and
 up) whose parts share a type is one weight of their rows; a K-quant mix gives parts of different
-types (llama-quantize's Q4_K_M stores some V projections in Q6_K, and a width that is not a multiple
-of 256 in a legacy type): parts that become blocks of one kind are still one weight (a Q5_0 Q and K
-beside a Q8_0 V), others run as one kernel call each (`RowsWeight`).
+types (llama-quantize's Q4_K_M stores some V projections in Q6_K or Q8_0, and a width that is not a
+multiple of 256 in a legacy type): parts that become blocks of one kind are still one weight (a Q5_0 Q and
+K beside a Q8_0 V), others run as one kernel call each (`RowsWeight`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from torch import nn
 
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.weights import gguf_blocks, packed_linear
-from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight, Q4_1Weight, Q8_0Weight, QuantizedWeight
+from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight, Q4_1Weight, Q5_1Weight, Q8_0Weight, QuantizedWeight
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = gguf_blocks.FLOAT_TYPES + gguf_blocks.QUANTIZED_TYPES
-BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)  # what block_linear.c runs, as Q4_1 or Q8_0
+BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # what block_linear.c runs (Q4_0 as Q4_1, Q5_0 as Q8_0)
 FILE_FORMATS = "gguf"  # the CPU backend's weight format for weights kept as the file has them
 
 
@@ -84,6 +86,8 @@ def _single(t: FileTensor) -> QuantizedWeight | nn.Parameter:
     d, offset = torch.from_numpy(parts.d), torch.from_numpy(parts.offset)
     if t.ggml_type == T.Q4_1 or (t.ggml_type == T.Q4_0 and _fits_fp16(offset)):
         return Q4_1Weight.from_packed(block_linear.pack_q4_1(codes, d, offset), n, k)
+    if t.ggml_type == T.Q5_1:
+        return Q5_1Weight.from_packed(block_linear.pack_q5_1(codes, d, offset), n, k)
     zero = gguf_blocks.ZERO_CODES.get(t.ggml_type, 0)
     return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes - zero, d), n, k)
 

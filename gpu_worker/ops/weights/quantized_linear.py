@@ -6,14 +6,15 @@ SmolLM2-135M's 30 layers are 424 MB in fp32, 106 MB in int8 and 73 MB in int4 (s
     format  weight                                    kernel
     int8    q [N, K] int8, scale [N] (per row)        aten._weight_int8pack_mm (bf16 activations)
     int4    GGUF Q4_1 blocks: 4-bit codes in groups   the C kernel of ops/cpu/block_linear.py
-            of 32 along K, fp16 scale, fp32 offset    (16-bit activation codes, fp32 out), else
+            of 32 along K, fp16 scale, fp32 offset    (8-bit activation codes, fp32 out), else
                                                       aten._weight_int4pack_mm_for_cpu (bf16)
     (head)  GGUF Q8_0 blocks beside int4              the same C kernel
 
 Requantizing a Q4_1-dequantized weight with min/max per group of 32 gets back its 4-bit codes,
 and a Q8_0-dequantized one with max |w| per group its int8 codes: a GGUF file's weights come
 back exactly. torch's kernels take bf16 activations (what they vectorise on an AVX2 CPU); the C
-kernel keeps ~5 digits of them, so its greedy tokens match fp32's (bench/quality.py). Everything
+kernel rounds them to 8-bit codes per block of 32 for Q4_1, as llama.cpp does, and keeps ~5 digits
+for the Q8_0 head (perplexity within 1 % of llama.cpp's on the same file, docs/models.md). Everything
 around the GEMMs (residual stream, norms, attention, KV cache) stays fp32.
 
 Every row of the output depends only on its own input row, computed the same bits for any
@@ -162,6 +163,12 @@ class Q4_1Weight(BlockWeight):
         super().__init__(block_linear.pack_q4_1(codes, scale, low), *weight.shape)
 
 
+class Q5_1Weight(BlockWeight):
+    """A GGUF Q5_1 file's weight: 5-bit codes in groups of 32, fp16 scale and offset."""
+
+    kind = "q5_1"
+
+
 class Q8_0Weight(BlockWeight):
     """Symmetric int8 in groups of 32 along K (GGUF Q8_0): W ~ code * d per group (a Q8_0 file's exactly)."""
 
@@ -176,8 +183,8 @@ class Q8_0Weight(BlockWeight):
 
 
 class KQuantWeight(QuantizedWeight):
-    """A GGUF weight of 2 to 6 bits in its file's codes and scales (Q5_1, Q2_K..Q6_K), on the C
-    kernel of ops/cpu/kquant_linear.py, fp32 in and out."""
+    """A GGUF K-type weight (Q2_K..Q6_K) in its file's codes and scales, on the C kernel of
+    ops/cpu/kquant_linear.py, fp32 in and out."""
 
     def __init__(self, packed: kquant_linear.Packed, out_features: int, in_features: int) -> None:
         super().__init__()
@@ -219,8 +226,7 @@ CUDA_FORMATS: dict[str, type[QuantizedWeight]] = {"int8": CudaInt8Weight}
 
 def default_format(device: torch.device, in_features: list[int]) -> str:
     """What --quantization auto means for a model whose GEMMs take `in_features`: int4 on the CPU where
-    the block kernel builds and every width is a multiple of 32 (its greedy tokens match fp32's and it
-    is the fastest CPU format, README), else none."""
+    the block kernel builds and every width is a multiple of 32 (the fastest CPU format, README), else none."""
     if device.type == "cpu" and block_linear.library() is not None and all(
             k % GROUP == 0 for k in in_features):
         return "int4"
