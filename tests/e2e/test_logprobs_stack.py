@@ -1,11 +1,13 @@
 """logprobs on the shared stack (real SmolLM2), through gRPC and the official `openai` client.
 
 The oracle: transformers' own Llama over the same GGUF file (its loader dequantizes Q4_1 to
-fp32), one causal forward of prompt + completion. Tolerance 1e-2 absolute on a logprob: the worker
-computes with the file's Q4_1 blocks and fp32 activations in another summation order (paged
-attention, batched steps); measured on this model the gap was at most 5e-4 for the sampled token
-and 2.5e-3 over the top 5 (12 greedy positions), and a gap of 1e-2 is still far below the ones
-that decide a greedy pick in this test (the top-1 token is the one sampled, checked exactly).
+fp32), one causal forward of prompt + completion. The worker computes with the file's Q4_1 blocks
+on 8-bit codes of the activations per block of 32 (as llama.cpp does), in another summation order
+(paged attention, batched steps). Measured on this model over 12 greedy positions, that moved the
+sampled token's logprob by at most 0.069 and a top-5 alternative's by at most 0.42 (the rarest
+ones move most); with 16-bit codes the gaps were 5e-4 and 2.5e-3. The tolerances are about 1.5x
+the measured gaps: a logprob of another distribution (before temperature, another token's, not
+normalised) is off by more, and the order and the top-1 token are checked exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m"
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-TOL = 1e-2
+TOL_SAMPLED = 0.1  # absolute, on the sampled token's logprob
+TOL_TOP = 0.6  # absolute, on a top-5 alternative's
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +60,9 @@ def test_grpc_greedy_logprobs_match_the_offline_forward(inference, auth_metadata
     for pos, (token, entry) in enumerate(zip(reply.token_ids, reply.logprobs)):
         assert entry.token_id == token and len(entry.top) == 5
         assert entry.top[0].token_id == token and entry.top[0].logprob == entry.logprob   # greedy: top-1 is it
-        assert abs(entry.logprob - want[pos, token].item()) < TOL
+        assert abs(entry.logprob - want[pos, token].item()) < TOL_SAMPLED
         for alt in entry.top:
-            assert abs(alt.logprob - want[pos, alt.token_id].item()) < TOL
+            assert abs(alt.logprob - want[pos, alt.token_id].item()) < TOL_TOP
         assert [a.logprob for a in entry.top] == sorted((a.logprob for a in entry.top), reverse=True)
     assert "".join(e.token for e in reply.logprobs) == reply.text
 
