@@ -22,7 +22,6 @@ KINDS = tuple(f"k{b}" for b in K_BITS)
 _ARGS = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 4
 
 
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None where they cannot be built."""
