@@ -36,4 +36,4 @@ def test_a_requantized_file_is_served_in_its_own_formats(start_stack, auth_metad
     assert reply.usage.completion_tokens > 0 and reply.text.strip()
     loaded = [json.loads(line) for log in stack.log_dir.glob("gpu_worker*.log")
               for line in log.read_text().splitlines() if '"model loaded"' in line]
-    assert loaded and all(entry["quantization"] == "gguf" for entry in loaded)
+    assert loaded and all(entry["weight_format"].startswith("gguf") for entry in loaded)

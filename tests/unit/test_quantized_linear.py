@@ -6,6 +6,8 @@ linears of a GGUF file's own blocks of every quantized type (ops/weights/gguf_we
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.ops.cpu import block_linear as cpu_block_linear
+from gpu_worker.ops.cpu import build as cpu_kernels
 from gpu_worker.ops.cpu import kquant_linear
 from gpu_worker.ops.cpu.backend import CpuBackend
 from gpu_worker.ops.weights import gguf_blocks, gguf_weight, packed_linear, quantized_linear
@@ -34,8 +37,14 @@ CLASSES = [Int8Weight, Int4Weight, pytest.param(Q4_1Weight, marks=needs_block_ke
 TOLERANCE = {Int8Weight: 0.01, Int4Weight: 0.08, Q4_1Weight: 0.08, Q8_0Weight: 0.01}
 
 
+def q8_0_code_max() -> int:
+    """Q8_0's largest input code in this CPU's build: 127 with VNNI, else 32767 (block_linear.c)."""
+    library = cpu_block_linear.library()
+    return ctypes.c_int.in_dll(library, "q8_0_code_max").value if library is not None else 32767
+
+
 # the largest activation code of each C kernel's input rows (block_linear.c, kquant_linear.c)
-CODE_MAX = {Q4_1Weight: 127, Q5_1Weight: 127, Q8_0Weight: 32767, KQuantWeight: 32767}
+CODE_MAX = {Q4_1Weight: 127, Q5_1Weight: 127, Q8_0Weight: q8_0_code_max(), KQuantWeight: 127}
 
 
 def on_code_grid(x: torch.Tensor, code_max: int) -> torch.Tensor:
@@ -312,8 +321,10 @@ def test_a_fused_weight_of_mixed_types_runs_its_parts_in_row_order():
     weight = gguf_weight.cpu_weight(parts)
     assert isinstance(weight, gguf_weight.RowsWeight) and weight.out_features == 144
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
-    ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
-    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-4
+    quantized_x = on_code_grid(x, CODE_MAX[KQuantWeight])  # the F16 part takes x as it is
+    ref = torch.cat([(quantized_x if p.ggml_type in gguf_blocks.K_TYPES else x.double()) @ p.dequantize().double().t()
+                     for p in parts], dim=1)
+    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-6
     same = gguf_weight.cpu_weight(parts[:1] * 2)  # parts of one type: one weight of their rows
     assert isinstance(same, KQuantWeight) and same.out_features == 128
 
@@ -326,8 +337,8 @@ def test_legacy_parts_that_become_one_block_kind_are_one_weight():
     weight = gguf_weight.cpu_weight(parts)
     assert type(weight) is Q8_0Weight and weight.out_features == 128
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
-    ref = x.double() @ torch.cat([p.dequantize() for p in parts]).double().t()
-    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-4
+    ref = on_code_grid(x, CODE_MAX[Q8_0Weight]) @ torch.cat([p.dequantize() for p in parts]).double().t()
+    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-6
 
 
 @needs_kquant_kernel
@@ -338,5 +349,25 @@ def test_a_q4_0_block_whose_offset_overflows_fp16_runs_as_q8_0():
     weight = gguf_weight.cpu_weight([t])
     assert type(weight) is Q8_0Weight
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
-    ref = x.double() @ t.dequantize().double().t()
-    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-4
+    ref = on_code_grid(x, CODE_MAX[Q8_0Weight]) @ t.dequantize().double().t()
+    assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-6
+
+
+@needs_kquant_kernel
+@pytest.mark.skipif(cpu_kernels.cpu_isa() == "avx2", reason="this CPU has no VNNI, so runs the AVX2 build only")
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q4_1, gguf_blocks.T.Q5_1, gguf_blocks.T.Q4_K, gguf_blocks.T.Q6_K],
+                         ids=lambda t: t.name)
+def test_the_vnni_build_gives_the_bits_of_the_avx2_build(ggml_type, monkeypatch):
+    """VNNI fuses the integer multiply-adds, not their sums: each kind on 8-bit input codes gives the same
+    bits (Q8_0 takes 8-bit codes with VNNI, 16-bit without, so differs)."""
+    weight = gguf_weight.cpu_weight([file_tensor(ggml_type, 96, 768, seed=7)])
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(7))
+    outs = {}
+    for isa in (cpu_kernels.cpu_isa(), "avx2"):
+        monkeypatch.setattr(cpu_kernels, "cpu_isa", lambda isa=isa: isa)
+        for library in (cpu_block_linear.library, kquant_linear.library):
+            library.cache_clear()
+        outs[isa] = weight(x)
+    for library in (cpu_block_linear.library, kquant_linear.library):
+        library.cache_clear()  # the next test gets this CPU's build again
+    assert torch.equal(outs["avx2"], outs[cpu_kernels.cpu_isa()])

@@ -19,9 +19,9 @@
  *     byte codes [A 0..15 | B 0..15], [A 16..31 | B 16..31], and one multiply-add (maddubs) takes 32
  *     pairs of an unsigned weight code and a signed input code. Their perplexity stays within 1 % of
  *     llama.cpp's on the same file (docs/models.md); 16-bit codes took twice the multiply-adds.
- *   - Q8_0 takes 16-bit codes (about 5 significant digits, finer than bf16), widened weight codes
- *     and 16-bit multiply-adds: for signed weights, 8-bit input codes need a sign instruction a
- *     vector on top, and were no faster.
+ *   - Q8_0 takes 8-bit codes too where the build has VNNI (load_q8_0 below says how). Without it,
+ *     16-bit codes (about 5 significant digits), widened weight codes and 16-bit multiply-adds: for
+ *     signed weights, 8-bit input codes need a sign instruction a vector on top, and were no faster.
  * Either way a pair's products sum into int32 lanes 0-3 for block A and 4-7 for block B, scaled
  * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. Q4_1 and Q5_1 add the sum over
  * blocks of m * xd * sum(xcode), one short dot product per output.
@@ -34,6 +34,10 @@
  * tile it falls in, the thread count or which thread takes it: a row's codes depend only on that
  * row, one 8-lane fp32 accumulator takes the pairs in order, then a fixed horizontal sum. A row's
  * output is therefore the same bits alone, in a decode batch or in a prefill chunk.
+ *
+ * Where the build enables VNNI (build.py's variants), its dot products fuse the multiply-adds and the
+ * sum into int32 lanes (dot_bytes, dot_words); the integer sums are the same, so are the outputs of
+ * every kind but Q8_0, whose input codes are 8-bit there.
  *
  * Needs AVX2, FMA and F16C (the build fails elsewhere and the caller falls back to torch).
  */
@@ -59,6 +63,43 @@
  * at each 4 KiB page, so a thread streaming a decode step's weights waited on every page
  * (docs/performance.md, "Figures behind the CPU kernels' settings"). */
 #define PREFETCH_BYTES 4096
+
+#if defined(__AVXVNNI__)
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#define DPWSSD _mm256_dpwssd_avx_epi32
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD _mm256_dpbusd_epi32
+#define DPWSSD _mm256_dpwssd_epi32
+#endif
+
+/* int32 lane i = sum over bytes 4i..4i+3 of u * s: unsigned byte codes u, signed byte codes s. Without
+ * VNNI a 16-bit lane holds 2 products first, so the caller keeps their sum below 2^15. */
+static inline __m256i dot_byte_vector(__m256i u, __m256i s) {
+#ifdef DPBUSD
+    return DPBUSD(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+/* the same over two vector pairs, u0 * s0 + u1 * s1. Without VNNI a 16-bit lane holds 4 products. */
+static inline __m256i dot_bytes(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+#ifdef DPBUSD
+    return DPBUSD(DPBUSD(_mm256_setzero_si256(), u0, s0), u1, s1);
+#else
+    const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+#endif
+}
+
+/* int32 lane i = sum over words 2i, 2i+1 of a0 * b0 + a1 * b1 (int16 codes) */
+static inline __m256i dot_words(__m256i a0, __m256i b0, __m256i a1, __m256i b1) {
+#ifdef DPWSSD
+    return DPWSSD(_mm256_madd_epi16(a0, b0), a1, b1);
+#else
+    return _mm256_add_epi32(_mm256_madd_epi16(a0, b0), _mm256_madd_epi16(a1, b1));
+#endif
+}
 
 /* fixed-order sum of 8 lanes: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two */
 static inline float hsum(__m256 v) {
@@ -97,13 +138,17 @@ static inline float quantize_block(const float *__restrict__ v, float code_max, 
 
 /* The input rows as codes of one width: codes [M, P * 64] in pair order; per pair the lane scales
  * [M, P * 8] (xd_A x4, xd_B x4); per block [M, 2P] xd * sum(codes). */
-#define DEFINE_QUANT_ROWS(TYPE, CODE, QUANTIZE, MAX, PLACE)                                               \
+#define DEFINE_ROWS(TYPE, CODE)                                                                            \
     typedef struct {                                                                                       \
         CODE *codes;                                                                                       \
         float *lane_scale;                                                                                 \
         float *scaled_sum;                                                                                 \
-    } TYPE;                                                                                                \
-    /* rows [M, K] fp32 -> TYPE (padding blocks zero) */                                                   \
+    } TYPE;
+DEFINE_ROWS(QuantRows, int16_t)
+DEFINE_ROWS(ByteRows, int8_t)
+
+/* rows [M, K] fp32 -> TYPE (padding blocks zero), each code stored + SHIFT */
+#define DEFINE_QUANT_ROWS(TYPE, CODE, QUANTIZE, MAX, PLACE, SHIFT)                                        \
     static void QUANTIZE(const float *__restrict__ x, int M, int K, TYPE q) {                              \
         const int blocks = K / BLOCK, pairs = (blocks + 1) / 2;                                            \
         for (long r = 0; r < M; r++) {                                                                     \
@@ -111,7 +156,7 @@ static inline float quantize_block(const float *__restrict__ v, float code_max, 
                 int codes[BLOCK], sum;                                                                     \
                 const float d = quantize_block(b < blocks ? x + r * K + (long)b * BLOCK : NULL, MAX, codes, &sum); \
                 CODE *pair_codes = q.codes + (r * pairs + b / 2) * PAIR;                                   \
-                for (int i = 0; i < BLOCK; i++) pair_codes[PLACE(i, b % 2)] = (CODE)codes[i];              \
+                for (int i = 0; i < BLOCK; i++) pair_codes[PLACE(i, b % 2)] = (CODE)(codes[i] + SHIFT);   \
                 float *lanes = q.lane_scale + (r * pairs + b / 2) * 8 + (b % 2) * 4;                       \
                 for (int i = 0; i < 4; i++) lanes[i] = d;                                                  \
                 q.scaled_sum[r * 2 * pairs + b] = d * (float)sum;                                          \
@@ -124,8 +169,8 @@ static inline float quantize_block(const float *__restrict__ v, float code_max, 
 #define PLACE_WORDS(i, half) (((i) / 8) * 16 + (half) * 8 + (i) % 8)
 #define PLACE_BYTES(i, half) (((i) / 16) * 32 + (half) * 16 + (i) % 16)
 
-DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, PLACE_WORDS)
-DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, PLACE_BYTES)
+DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, PLACE_WORDS, 0)
+DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, PLACE_BYTES, 0)
 
 /* A weight pair widened to four vectors of 16 int16 codes (the layout above) and its lane
  * scales [d_A x4 | d_B x4] in fp32. */
@@ -188,36 +233,28 @@ static inline BytePair load_q5_1(const uint8_t *codes, const uint16_t *d) {
     return (BytePair){{_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi)}, lane_scales(d)};
 }
 
-static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
-    Pair p;
-    for (int c = 0; c < 4; c++) p.c[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16 * c)));
-    p.d = lane_scales(d);
-    return p;
-}
-
 /* acc += (w . x) * [d xd] for one pair of one input row's 16-bit codes. Every partial integer sum is
  * below 2^24 (|w| <= 127, |x| <= 2^15 - 1, 16 products a lane), so the int32 -> fp32 conversion is exact. */
 static inline __m256 accumulate_words(__m256 acc, const Pair *w, const int16_t *x, const float *lane_scale) {
-    const __m256i s01 = _mm256_add_epi32(_mm256_madd_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
-                                         _mm256_madd_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
-    const __m256i s23 = _mm256_add_epi32(_mm256_madd_epi16(w->c[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
-                                         _mm256_madd_epi16(w->c[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
+    const __m256i *v = (const __m256i *)x;
+    const __m256i s = _mm256_add_epi32(dot_words(w->c[0], _mm256_loadu_si256(v), w->c[1], _mm256_loadu_si256(v + 1)),
+                                       dot_words(w->c[2], _mm256_loadu_si256(v + 2), w->c[3], _mm256_loadu_si256(v + 3)));
     const __m256 scale = _mm256_mul_ps(w->d, _mm256_loadu_ps(lane_scale));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s01, s23)), scale, acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
 }
 
 /* The same for unsigned byte codes (at most 31) and 8-bit input codes: a 16-bit lane of the two
  * multiply-adds' sum holds 4 products of at most 31 * 127 and an int32 lane 8, so nothing saturates
  * and the conversion is exact. */
 static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_t *x, const float *lane_scale) {
-    const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
-                                       _mm256_maddubs_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32))));
+    const __m256i s = dot_bytes(w->c[0], _mm256_loadu_si256((const __m256i *)x),
+                                w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
     const __m256 scale = _mm256_mul_ps(w->d, _mm256_loadu_ps(lane_scale));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s, _mm256_set1_epi16(1))), scale, acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
 }
 
 /* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one
- * weight row (its codes, d and, for Q4_1, offsets m; else NULL). */
+ * weight row (its codes, d and, for Q4_1 and Q5_1, offsets m; else NULL). */
 #define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
     static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int pairs,            \
                                                            const uint8_t *__restrict__ codes,                \
@@ -246,7 +283,6 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 
 DEFINE_ROW_TILE(q4_1_tile, ByteRows, BytePair, load_q4_1, accumulate_bytes, Q4_1_PAIR_BYTES)
 DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1_PAIR_BYTES)
-DEFINE_ROW_TILE(q8_0_tile, QuantRows, Pair, load_q8_0, accumulate_words, Q8_0_PAIR_BYTES)
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] fp16 (Q4_1, Q5_1) or NULL
  * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
@@ -291,4 +327,51 @@ DEFINE_ROW_TILE(q8_0_tile, QuantRows, Pair, load_q8_0, accumulate_words, Q8_0_PA
 
 DEFINE_LINEAR(q4_1_linear_f32, q4_1_tile, ByteRows, quantize_rows_8bit, Q4_1_PAIR_BYTES)
 DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, Q5_1_PAIR_BYTES)
+
+#ifdef DPBUSD
+/* Q8_0 on 8-bit codes where VNNI takes their products without saturating: the input codes + 128 as
+ * unsigned bytes against the signed weight codes, put in the byte pair order. Each lane's sum starts
+ * at -128 * the sum of its weight codes, so it ends exactly at the 16-bit path's integer dot product
+ * of 8-bit codes (at most 8 * 255 * 127 on the way). */
+#define Q8_0_CODE_MAX BYTE_CODE_MAX
+DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_shifted, BYTE_CODE_MAX, PLACE_BYTES, 128)
+
+typedef struct {
+    __m256i c[2];
+    __m256i bias; /* -128 * sum of the codes, per lane */
+    __m256 d;
+} SignedPair;
+
+static inline SignedPair load_q8_0(const uint8_t *codes, const uint16_t *d) {
+    const __m256i shift = _mm256_set1_epi8((char)128);
+    SignedPair p;
+    for (int v = 0; v < 2; v++) /* [A 0-7, B 0-7 | A 8-15, B 8-15] -> [A 0-15 | B 0-15], by quarters */
+        p.c[v] = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(codes + 32 * v)), 0xD8);
+    p.bias = _mm256_sub_epi32(_mm256_setzero_si256(), DPBUSD(DPBUSD(_mm256_setzero_si256(), shift, p.c[0]), shift, p.c[1]));
+    p.d = lane_scales(d);
+    return p;
+}
+
+static inline __m256 accumulate_shifted(__m256 acc, const SignedPair *w, const int8_t *x, const float *lane_scale) {
+    const __m256i s = DPBUSD(DPBUSD(w->bias, _mm256_loadu_si256((const __m256i *)x), w->c[0]),
+                             _mm256_loadu_si256((const __m256i *)(x + 32)), w->c[1]);
+    const __m256 scale = _mm256_mul_ps(w->d, _mm256_loadu_ps(lane_scale));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+}
+
+DEFINE_ROW_TILE(q8_0_tile, ByteRows, SignedPair, load_q8_0, accumulate_shifted, Q8_0_PAIR_BYTES)
+DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, ByteRows, quantize_rows_shifted, Q8_0_PAIR_BYTES)
+#else
+#define Q8_0_CODE_MAX CODE_MAX
+static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
+    Pair p;
+    for (int c = 0; c < 4; c++) p.c[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16 * c)));
+    p.d = lane_scales(d);
+    return p;
+}
+
+DEFINE_ROW_TILE(q8_0_tile, QuantRows, Pair, load_q8_0, accumulate_words, Q8_0_PAIR_BYTES)
 DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Q8_0_PAIR_BYTES)
+#endif
+/* the largest input code of the Q8_0 linear in this build (for the tests' reference) */
+const int q8_0_code_max = Q8_0_CODE_MAX;

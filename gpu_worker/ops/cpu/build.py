@@ -3,11 +3,13 @@
 Each kernel is one C file beside this module (`*.c`; one may #include another), compiled with
 the system C compiler (`cc`, OpenMP) into `<cache_dir>/cpu_kernels/`, keyed by a hash of all the
 sources and the flags; no torch headers, so a build takes about a second. On x86-64 the target
-is x86-64-v3 (AVX2, FMA, F16C), not the build machine's own CPU, so a file built once
-(`python -m gpu_worker.ops.cpu.build`, as the container image does at build time) runs on any
-AVX2 machine; a CPU without AVX2 gets none of them. Where there is no compiler and no prebuilt
-file, or a file does not build for this CPU, `load` returns None and the caller runs its torch
-fallback.
+is x86-64-v3 (AVX2, FMA, F16C), not the build machine's own CPU, plus one instruction set
+extension at most (ISAS): the VNNI integer dot products, which the kernels use where the compiler
+defines them. `load` takes the variant this CPU runs (`cpu_isa`, from /proc/cpuinfo's flags);
+`python -m gpu_worker.ops.cpu.build`, as the container image runs at build time, builds every
+variant, so the image serves any AVX2 machine without a compiler. A CPU without AVX2 gets none of
+them. Where there is no compiler and no prebuilt file, or a file does not build for this CPU,
+`load` returns None and the caller runs its torch fallback.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +36,12 @@ logger = structlog.get_logger(__name__)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno"]
+# the variants of x86-64-v3, best first: each named by the /proc/cpuinfo flags it needs, and its flags.
+# AVX-VNNI's dot products are 256 bits wide and VEX encoded, as the AVX2 code around them; a CPU with
+# only the AVX-512 form (Zen 4, Ice Lake) takes that in 256-bit registers.
+ISAS = {"avxvnni": (("avx_vnni",), ["-mavxvnni"]),
+        "avx512vnni": (("avx512_vnni", "avx512vl"), ["-mavx512vnni", "-mavx512vl"]),
+        "avx2": ((), [])} if _X86 else {"native": ((), [])}
 # libm, and on x86-64 glibc its vector math library (paged_attention.c's softmax calls libmvec's expf)
 LIBS = ["-lm", "-lmvec"] if _X86 and platform.libc_ver()[0] == "glibc" else ["-lm"]
 
@@ -45,34 +54,51 @@ def _sources() -> list[Path]:
 KERNELS = [path.stem for path in _sources()]
 
 
-def _build(source: Path, target: Path) -> None:
+@functools.cache
+def cpu_isa() -> str:
+    """The best of ISAS this CPU runs (the last, plain x86-64-v3, where /proc/cpuinfo is not there to say)."""
+    try:
+        line = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        line = None
+    flags = set(line.group(1).split()) if line else set()
+    return next(isa for isa, (needs, _) in ISAS.items() if flags.issuperset(needs))
+
+
+def _flags(isa: str) -> list[str]:
+    return CFLAGS + ISAS[isa][1]
+
+
+def _build(source: Path, target: Path, isa: str) -> None:
     """Compile `source` into `target` (atomic: a concurrent worker sees the whole file or none)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     compiler = os.environ.get("CC") or "cc"
-    subprocess.run([compiler, *CFLAGS, str(source), "-o", str(tmp), *LIBS], check=True, capture_output=True)
+    subprocess.run([compiler, *_flags(isa), str(source), "-o", str(tmp), *LIBS], check=True, capture_output=True)
     tmp.replace(target)
 
 
-def _target(name: str) -> Path:
+def _target(name: str, isa: str) -> Path:
     """The built file, keyed by every kernel source (a kernel may #include another) and the flags."""
     sources = b"".join(path.read_bytes() for path in _sources())
-    digest = hashlib.sha256(sources + " ".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
-    return model_store.cache_dir() / "cpu_kernels" / f"{name}-{digest}.so"
+    digest = hashlib.sha256(sources + " ".join(_flags(isa) + LIBS).encode()).hexdigest()[:16]
+    return model_store.cache_dir() / "cpu_kernels" / f"{name}-{isa}-{digest}.so"
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `<name>.c` of this package, built on first use; None where it cannot be built or loaded."""
+def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
+    """The compiled `<name>.c` of this package for `isa` (default: this CPU's), built on first use; None where
+    it cannot be built or loaded."""
     if _X86 and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         logger.warning("cpu kernels need AVX2; using the torch fallback", kernel=name)
         return None
-    source, target = Path(__file__).with_name(f"{name}.c"), _target(name)
+    isa = isa or cpu_isa()
+    source, target = Path(__file__).with_name(f"{name}.c"), _target(name, isa)
     try:
         if not target.exists():
             if shutil.which(os.environ.get("CC") or "cc") is None:
                 raise FileNotFoundError("no C compiler (cc)")
-            _build(source, target)
+            _build(source, target, isa)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as exc:
         stderr = getattr(exc, "stderr", b"") or b""
@@ -81,9 +107,9 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def bind(name: str, signatures: dict[str, tuple[list, type | None]]) -> ctypes.CDLL | None:
-    """`load(name)` with each named function's (argtypes, restype) set; None where it cannot be built."""
-    lib = load(name)
+def bind(name: str, signatures: dict[str, tuple[list, type | None]], isa: str | None = None) -> ctypes.CDLL | None:
+    """`load(name, isa)` with each named function's (argtypes, restype) set; None where it cannot be built."""
+    lib = load(name, isa or cpu_isa())  # resolved before load's cache, which keys on it
     if lib is not None:
         for function, (argtypes, restype) in signatures.items():
             getattr(lib, function).argtypes = argtypes
@@ -100,12 +126,11 @@ def traced(name: str) -> contextlib.AbstractContextManager:
 
 
 def main() -> int:
-    """Build every kernel into the cache dir (a container image runs this at build time)."""
-    failed = [name for name in KERNELS if load(name) is None]  # load logs why
-    for name in KERNELS:
-        if name not in failed:
-            logger.info("cpu kernel built", kernel=name, path=str(_target(name)))
-    return 1 if failed else 0
+    """Build every kernel in every variant into the cache dir (a container image runs this at build time)."""
+    built = [(name, isa) for name in KERNELS for isa in ISAS if load(name, isa) is not None]  # load logs why not
+    for name, isa in built:
+        logger.info("cpu kernel built", kernel=name, isa=isa, path=str(_target(name, isa)))
+    return 0 if len(built) == len(KERNELS) * len(ISAS) else 1
 
 
 if __name__ == "__main__":

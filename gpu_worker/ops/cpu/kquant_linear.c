@@ -3,7 +3,7 @@
  *
  * A weight [N, K] (K a multiple of 256) is N rows of P = K/64 pairs of 32-weight blocks A and B,
  * w = scale * code + offset per sub-block of 16. The codes of a pair are b bits a weight, in bit
- * planes that widen into four vectors of 16 int16 codes [A 8c..8c+7 | B 8c..8c+7], c = 0..3
+ * planes that join into two vectors of 32 byte codes [A 0..15 | B 0..15], [A 16..31 | B 16..31]
  * (kquant_linear.py packs them):
  *   nibble plane, 32 bytes: the low 4 bits as block_linear.c's Q4_1 codes
  *   crumb plane, 16 bytes: A's 8 bytes, then B's; byte i holds 2 bits of weight 8c + i at bits 2c
@@ -12,13 +12,14 @@
  * Scales: per row and super-block of 256 d and dmin [N, K/256] fp32, per 16 weights sc and mn [N, K/16]
  * int8: scale = d * sc, offset = dmin * mn (exact).
  *
- * The input rows are quantized to block_linear.c's 16-bit codes per block of 32. A pair's dot
- * product is four 16-bit multiply-adds: int32 lanes 0-3 of the first two belong to A's first 16
- * weights and lanes 4-7 to B's, of the last two to their second 16, so each half is scaled
- * lane-wise by its own sub-block scale (16-weight sub-blocks cost nothing extra). The offsets add
- * sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a pair. Q5's fifth bit and Q6's
- * top two join the nibbles as bytes, so the codes widen to 16 bits once. Every partial integer sum
- * is below 2^24 (codes <= 63, |x| <= 2^15 - 1, 4 products a lane).
+ * The input rows are quantized to block_linear.c's 8-bit codes per block of 32 (llama.cpp takes 8-bit
+ * codes per 256). A pair's dot product is two byte dot products (dot_bytes, one vector each): int32
+ * lanes 0-3 of the first belong to A's first 16 weights and lanes 4-7 to B's, of the second to their
+ * second 16, so each is scaled lane-wise by its own sub-block scale (16-weight sub-blocks cost
+ * nothing extra). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a
+ * pair. Q3's third bit, Q5's fifth and Q6's top two join the low bits as bytes. Without VNNI a 16-bit
+ * lane holds 2 products of at most 63 * 127, an int32 lane 4, so nothing saturates and the int32 ->
+ * fp32 conversion is exact.
  *
  * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
  * alone, in a decode batch or in a prefill chunk, for any thread count.
@@ -26,38 +27,29 @@
 #include "block_linear.c"
 
 /* per input row and pair, xd * sum(codes) of its sub-blocks [A 0-15, A 16-31, B 0-15, B 16-31] */
-static void sub_block_sums(const QuantRows q, int M, int pairs, float *__restrict__ sums) {
+static void sub_block_sums(const ByteRows q, int M, int pairs, float *__restrict__ sums) {
     for (long rp = 0; rp < (long)M * pairs; rp++) {
-        const int16_t *c = q.codes + rp * PAIR;
+        const int8_t *c = q.codes + rp * PAIR;
         int s[4] = {0, 0, 0, 0};
-        for (int chunk = 0; chunk < 4; chunk++)
+        for (int v = 0; v < 2; v++)
             for (int half = 0; half < 2; half++)
-                for (int i = 0; i < 8; i++) s[half * 2 + chunk / 2] += c[chunk * 16 + half * 8 + i];
+                for (int i = 0; i < 16; i++) s[half * 2 + v] += c[v * 32 + half * 16 + i];
         const float xa = q.lane_scale[rp * 8], xb = q.lane_scale[rp * 8 + 4];
         sums[rp * 4 + 0] = xa * (float)s[0], sums[rp * 4 + 1] = xa * (float)s[1];
         sums[rp * 4 + 2] = xb * (float)s[2], sums[rp * 4 + 3] = xb * (float)s[3];
     }
 }
 
-/* byte codes lo, hi -> the four vectors of 16 int16 codes */
-static inline void widen(__m256i lo, __m256i hi, __m256i v[4]) {
-    const __m256i zero = _mm256_setzero_si256();
-    v[0] = _mm256_unpacklo_epi8(lo, zero), v[1] = _mm256_unpackhi_epi8(lo, zero);
-    v[2] = _mm256_unpacklo_epi8(hi, zero), v[3] = _mm256_unpackhi_epi8(hi, zero);
+static inline void nibble_plane(const uint8_t *p, __m256i v[2]) {
+    nibble_bytes(p, &v[0], &v[1]);
 }
 
-static inline void nibble_plane(const uint8_t *p, __m256i v[4]) {
-    __m256i lo, hi;
-    nibble_bytes(p, &lo, &hi);
-    widen(lo, hi, v);
-}
-
-/* 5-bit codes: the fifth bit joins the nibbles as bytes, before one widening (not a widening each) */
-static inline void nibble_bit_planes(const uint8_t *p, __m256i v[4]) {
-    __m256i lo, hi, bit_lo, bit_hi;
-    nibble_bytes(p, &lo, &hi);
+/* 5-bit codes: the fifth bit joins the nibbles */
+static inline void nibble_bit_planes(const uint8_t *p, __m256i v[2]) {
+    __m256i bit_lo, bit_hi;
+    nibble_bytes(p, &v[0], &v[1]);
     bit_bytes(p + 32, 4, &bit_lo, &bit_hi);
-    widen(_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi), v);
+    v[0] = _mm256_or_si256(v[0], bit_lo), v[1] = _mm256_or_si256(v[1], bit_hi);
 }
 
 /* The crumb plane as byte codes laid out as nibble_bytes', each crumb at bit `at` (0 or 4): each lane
@@ -71,26 +63,24 @@ static inline void crumb_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *h
     *hi = _mm256_slli_epi64(_mm256_srlv_epi64(_mm256_and_si256(t, c23), _mm256_setr_epi64x(4, 6, 4, 6)), at);
 }
 
-static inline void crumb_planes(const uint8_t *p, __m256i v[4]) {
-    __m256i lo, hi;
-    crumb_bytes(p, 0, &lo, &hi);
-    widen(lo, hi, v);
+static inline void crumb_planes(const uint8_t *p, __m256i v[2]) {
+    crumb_bytes(p, 0, &v[0], &v[1]);
 }
 
-/* 3-bit codes: the bits join the crumbs as bytes (at bit 2), before one widening */
-static inline void crumb_bit_planes(const uint8_t *p, __m256i v[4]) {
-    __m256i lo, hi, bit_lo, bit_hi;
-    crumb_bytes(p, 0, &lo, &hi);
+/* 3-bit codes: the bits join the crumbs (at bit 2) */
+static inline void crumb_bit_planes(const uint8_t *p, __m256i v[2]) {
+    __m256i bit_lo, bit_hi;
+    crumb_bytes(p, 0, &v[0], &v[1]);
     bit_bytes(p + 16, 2, &bit_lo, &bit_hi);
-    widen(_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi), v);
+    v[0] = _mm256_or_si256(v[0], bit_lo), v[1] = _mm256_or_si256(v[1], bit_hi);
 }
 
-/* 6-bit codes: the crumbs join the nibbles as bytes (at bit 4), before one widening */
-static inline void nibble_crumb_planes(const uint8_t *p, __m256i v[4]) {
-    __m256i lo, hi, crumb_lo, crumb_hi;
-    nibble_bytes(p, &lo, &hi);
+/* 6-bit codes: the crumbs join the nibbles (at bit 4) */
+static inline void nibble_crumb_planes(const uint8_t *p, __m256i v[2]) {
+    __m256i crumb_lo, crumb_hi;
+    nibble_bytes(p, &v[0], &v[1]);
     crumb_bytes(p + 32, 4, &crumb_lo, &crumb_hi);
-    widen(_mm256_or_si256(lo, crumb_lo), _mm256_or_si256(hi, crumb_hi), v);
+    v[0] = _mm256_or_si256(v[0], crumb_lo), v[1] = _mm256_or_si256(v[1], crumb_hi);
 }
 
 #define CODES_2(p, v) crumb_planes(p, v)
@@ -102,7 +92,7 @@ static inline void nibble_crumb_planes(const uint8_t *p, __m256i v[4]) {
 /* A weight pair: its codes, the lane scales of its first and second 16 weights of each block
  * ([A x4 | B x4]) and its four sub-block offsets [A0, A1, B0, B1]. */
 typedef struct {
-    __m256i c[4];
+    __m256i c[2];
     __m256 lo, hi;
     __m128 off;
 } SubPair;
@@ -131,11 +121,9 @@ static inline void k_scales(SubPair *w, RowScales s, int p) {
     w->off = _mm_mul_ps(_mm_set1_ps(s.offset[g]), int8x4(s.mn + 4 * p));
 }
 
-static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int16_t *x, const float *lane_scale) {
-    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w->c[0], _mm256_loadu_si256((const __m256i *)x)),
-                                        _mm256_madd_epi16(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 16))));
-    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w->c[2], _mm256_loadu_si256((const __m256i *)(x + 32))),
-                                        _mm256_madd_epi16(w->c[3], _mm256_loadu_si256((const __m256i *)(x + 48))));
+static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int8_t *x, const float *lane_scale) {
+    const __m256i lo = dot_byte_vector(w->c[0], _mm256_loadu_si256((const __m256i *)x));
+    const __m256i hi = dot_byte_vector(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
     const __m256 xd = _mm256_loadu_ps(lane_scale);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(w->lo, xd), acc);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(w->hi, xd), acc);
@@ -150,7 +138,7 @@ static inline float hsum4(__m128 s) {
 
 /* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one weight row */
 #define DEFINE_SUB_TILE(NAME, CODES, SCALES, ACCUMULATE, PAIR_BYTES)                                                 \
-    static inline __attribute__((always_inline)) void NAME(QuantRows q, const float *sums, long row, int rows,       \
+    static inline __attribute__((always_inline)) void NAME(ByteRows q, const float *sums, long row, int rows,       \
                                                            int pairs, const uint8_t *__restrict__ codes,             \
                                                            RowScales s, float *__restrict__ out, long N) {           \
         __m256 acc[ROW_TILE];                                                                                        \
@@ -183,15 +171,15 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
              const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,                                    \
              float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
-        QuantRows q = {malloc(sizeof(int16_t) * (size_t)M * pairs * PAIR),                                   \
-                       malloc(sizeof(float) * (size_t)M * pairs * 8), NULL};                                 \
+        ByteRows q = {malloc(sizeof(int8_t) * (size_t)M * pairs * PAIR),                                     \
+                      malloc(sizeof(float) * (size_t)M * pairs * 8), NULL};                                  \
         float *sums = malloc(sizeof(float) * (size_t)M * pairs * 4);                                         \
         q.scaled_sum = malloc(sizeof(float) * (size_t)M * pairs * 2);                                        \
         if (!q.codes || !q.lane_scale || !q.scaled_sum || !sums) {                                           \
             free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                               \
             return -1;                                                                                       \
         }                                                                                                    \
-        quantize_rows(x, M, K, q);                                                                           \
+        quantize_rows_8bit(x, M, K, q);                                                                      \
         sub_block_sums(q, M, pairs, sums);                                                                   \
         const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;                                                \
         _Pragma("omp parallel for schedule(guided) num_threads(num_threads)")                                \
