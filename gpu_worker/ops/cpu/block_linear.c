@@ -122,17 +122,31 @@ static inline float dot_f16(const uint16_t *__restrict__ a, const float *__restr
 }
 
 /* One block of 32 inputs (NULL: a padding block) -> codes c ~ v / d with |c| <= code_max, rounded
- * to nearest even; returns d (0 for an all-zero block) and sets *sum to the sum of the codes. */
+ * to nearest even (the default rounding mode's conversion, as nearbyintf); returns d (0 for an
+ * all-zero block) and sets *sum to the sum of the codes. */
 static inline float quantize_block(const float *__restrict__ v, float code_max, int codes[BLOCK], int *sum) {
-    float amax = 0.f;
-    for (int i = 0; v && i < BLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
-    const float d = amax / code_max;
-    const float inv = d > 0.f ? 1.f / d : 0.f;
-    *sum = 0;
-    for (int i = 0; i < BLOCK; i++) {
-        codes[i] = v ? (int)nearbyintf(v[i] * inv) : 0;
-        *sum += codes[i];
+    if (!v) {
+        for (int i = 0; i < BLOCK; i++) codes[i] = 0;
+        *sum = 0;
+        return 0.f;
     }
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int i = 0; i < BLOCK; i += 8) amax8 = _mm256_max_ps(amax8, _mm256_and_ps(_mm256_loadu_ps(v + i), magnitude));
+    __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(amax4, _mm_movehdup_ps(amax4)));
+    const float d = amax / code_max;
+    const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m256i sum8 = _mm256_setzero_si256();
+    for (int i = 0; i < BLOCK; i += 8) {
+        const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i), inv));
+        _mm256_storeu_si256((__m256i *)(codes + i), c);
+        sum8 = _mm256_add_epi32(sum8, c);
+    }
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0x4E));
+    *sum = _mm_cvtsi128_si32(_mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, 0xB1)));
     return d;
 }
 
@@ -147,10 +161,13 @@ static inline float quantize_block(const float *__restrict__ v, float code_max, 
 DEFINE_ROWS(QuantRows, int16_t)
 DEFINE_ROWS(ByteRows, int8_t)
 
-/* rows [M, K] fp32 -> TYPE (padding blocks zero), each code stored + SHIFT */
+/* rows [M, K] fp32 -> TYPE (padding blocks zero), each code stored + SHIFT; rows split over the
+ * threads from QUANTIZE_ROWS_A_THREAD rows a thread (a row's codes depend on that row only) */
+#define QUANTIZE_ROWS_A_THREAD 8
 #define DEFINE_QUANT_ROWS(TYPE, CODE, QUANTIZE, MAX, PLACE, SHIFT)                                        \
-    static void QUANTIZE(const float *__restrict__ x, int M, int K, TYPE q) {                              \
+    static void QUANTIZE(const float *__restrict__ x, int M, int K, TYPE q, int num_threads) {            \
         const int blocks = K / BLOCK, pairs = (blocks + 1) / 2;                                            \
+        _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * QUANTIZE_ROWS_A_THREAD)")          \
         for (long r = 0; r < M; r++) {                                                                     \
             for (int b = 0; b < 2 * pairs; b++) {                                                          \
                 int codes[BLOCK], sum;                                                                     \
@@ -296,7 +313,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
             free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                           \
             return -1;                                                                                       \
         }                                                                                                    \
-        QUANTIZE(x, M, K, q);                                                                                \
+        QUANTIZE(x, M, K, q, num_threads);                                                                   \
         const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;                                                \
         /* guided: a fetch takes the groups left over the thread count, down to one group, so the       \
          * threads finish together after a few fetches a call; a thread the OS preempts (other           \

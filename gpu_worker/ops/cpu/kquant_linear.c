@@ -27,7 +27,8 @@
 #include "block_linear.c"
 
 /* per input row and pair, xd * sum(codes) of its sub-blocks [A 0-15, A 16-31, B 0-15, B 16-31] */
-static void sub_block_sums(const ByteRows q, int M, int pairs, float *__restrict__ sums) {
+static void sub_block_sums(const ByteRows q, int M, int pairs, float *__restrict__ sums, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * QUANTIZE_ROWS_A_THREAD)")
     for (long rp = 0; rp < (long)M * pairs; rp++) {
         const int8_t *c = q.codes + rp * PAIR;
         int s[4] = {0, 0, 0, 0};
@@ -179,8 +180,8 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
             free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                               \
             return -1;                                                                                       \
         }                                                                                                    \
-        quantize_rows_8bit(x, M, K, q);                                                                      \
-        sub_block_sums(q, M, pairs, sums);                                                                   \
+        quantize_rows_8bit(x, M, K, q, num_threads);                                                         \
+        sub_block_sums(q, M, pairs, sums, num_threads);                                                      \
         const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;                                                \
         _Pragma("omp parallel for schedule(guided) num_threads(num_threads)")                                \
         for (int g = 0; g < groups; g++) {                                                                   \
