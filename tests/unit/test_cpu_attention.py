@@ -23,10 +23,13 @@ def make_case(num_seqs: int, lens: list[int], num_heads: int = 9, num_kv_heads: 
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("lens,heads", [([1], (9, 3)), ([37, 16, 5], (9, 3)), ([200] * 4, (8, 8)),
-                                        ([17, 64], (16, 1))])
-def test_matches_the_reference(lens, heads):
-    q, k, v, tables, ctx = make_case(len(lens), lens, *heads)
+@pytest.mark.parametrize("lens,heads,head_dim", [([1], (9, 3), 64), ([37, 16, 5], (9, 3), 64),
+                                                 ([200] * 4, (8, 8), 64), ([17, 64], (16, 1), 64),
+                                                 ([8, 7, 45], (4, 2), 128), ([8, 7, 45], (4, 2), 20)])
+def test_matches_the_reference(lens, heads, head_dim):
+    """Whole groups of 8 and 4 tokens take the vector paths, the rest and head sizes not a multiple
+    of 8 the scalar one."""
+    q, k, v, tables, ctx = make_case(len(lens), lens, *heads, head_dim=head_dim)
     out = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125)
     torch.testing.assert_close(out, reference.paged_decode_attention(q, k, v, tables, ctx, 0.125),
                                rtol=1e-5, atol=1e-5)

@@ -9,6 +9,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 /* dot of two [d] fp32 rows */
 static inline float row_dot(const float *__restrict__ a, const float *__restrict__ b, int d) {
@@ -37,7 +40,6 @@ static inline const float *token_row(const float *cache, const int32_t *table, i
 
 #if defined(__AVX2__) && defined(__GLIBC__)
 #define LIBMVEC 1
-#include <immintrin.h>
 /* glibc's libmvec expf, 8 at a time (the AVX2 variant, named by the x86-64 vector function ABI) */
 __m256 _ZGVdN8v_expf(__m256 x);
 #endif
@@ -69,6 +71,39 @@ static inline float exp_and_sum(float *__restrict__ w, int n, float max) {
 
 #define PREFETCH_TOKENS 4 /* rows asked for ahead of the one in hand */
 
+#ifdef __AVX2__
+#define SCORE_TOKENS 8 /* tokens whose dot products are summed across lanes together */
+#define VALUE_TOKENS 4 /* tokens whose weighted V rows pass through one load and store of acc */
+
+/* the 8 lanes of dot(q, k) over d (a multiple of 8): lane i sums q[i + 8c] * k[i + 8c] over c, in order */
+static inline __m256 dot_lanes(const float *__restrict__ q, const float *__restrict__ k, int d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), acc);
+    return acc;
+}
+
+/* [sum of v[0]'s lanes, ..., sum of v[7]'s]: a transpose, then each sum as (0+4, 1+5, 2+6, 3+7),
+ * then pairs, then the last two */
+static inline __m256 sum_lanes8(const __m256 v[8]) {
+    const __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]);
+    const __m256 a4 = _mm256_unpacklo_ps(v[4], v[5]), a5 = _mm256_unpackhi_ps(v[4], v[5]);
+    const __m256 a6 = _mm256_unpacklo_ps(v[6], v[7]), a7 = _mm256_unpackhi_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+    /* lane l of vector i, as column i of row l: row l is lane l of every v */
+    const __m256 l0 = _mm256_permute2f128_ps(b0, b4, 0x20), l4 = _mm256_permute2f128_ps(b0, b4, 0x31);
+    const __m256 l1 = _mm256_permute2f128_ps(b1, b5, 0x20), l5 = _mm256_permute2f128_ps(b1, b5, 0x31);
+    const __m256 l2 = _mm256_permute2f128_ps(b2, b6, 0x20), l6 = _mm256_permute2f128_ps(b2, b6, 0x31);
+    const __m256 l3 = _mm256_permute2f128_ps(b3, b7, 0x20), l7 = _mm256_permute2f128_ps(b3, b7, 0x31);
+    const __m256 s0 = _mm256_add_ps(l0, l4), s1 = _mm256_add_ps(l1, l5);
+    const __m256 s2 = _mm256_add_ps(l2, l6), s3 = _mm256_add_ps(l3, l7);
+    return _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+}
+#endif
+
 /* One query (all heads) over its context: scores, softmax, weighted sum of V. K and V are each
  * walked once, token by token, every head of the token at once, so the cache lines of a block
  * are read in order (a block's rows of all KV heads are contiguous) and a few tokens ahead are
@@ -89,7 +124,39 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     float max_score[num_heads], sum[num_heads];
     /* scores[j, t] = q_j . k_t * scale, and their max per head */
     for (int j = 0; j < num_heads; j++) max_score[j] = -INFINITY;
-    for (int t = 0; t < context_len; t++) {
+    int t = 0;
+#ifdef __AVX2__
+    /* SCORE_TOKENS tokens at a time, their lane sums in one transpose (which tokens go this way
+     * depends only on context_len, so a query's scores are the same bits in any batch) */
+    if (head_dim % 8 == 0 && context_len >= SCORE_TOKENS) {
+        __m256 max8[num_heads];
+        for (int j = 0; j < num_heads; j++) max8[j] = _mm256_set1_ps(-INFINITY);
+        for (; t + SCORE_TOKENS <= context_len; t += SCORE_TOKENS) {
+            const float *k[SCORE_TOKENS];
+            for (int u = 0; u < SCORE_TOKENS; u++) {
+                if (t + u + PREFETCH_TOKENS < context_len)
+                    prefetch_row(token_row(k_cache, table, t + u + PREFETCH_TOKENS, block_size, row_stride), row_stride);
+                k[u] = token_row(k_cache, table, t + u, block_size, row_stride);
+            }
+            for (int j = 0; j < num_heads; j++) {
+                const float *qj = q + (long)j * head_dim;
+                const long at = (long)(j / group) * head_dim;
+                __m256 lanes[SCORE_TOKENS];
+                for (int u = 0; u < SCORE_TOKENS; u++) lanes[u] = dot_lanes(qj, k[u] + at, head_dim);
+                const __m256 s = _mm256_mul_ps(sum_lanes8(lanes), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(scores + (long)j * context_len + t, s);
+                max8[j] = _mm256_max_ps(max8[j], s);
+            }
+        }
+        for (int j = 0; j < num_heads; j++) {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, max8[j]);
+            for (int i = 0; i < 8; i++)
+                if (lanes[i] > max_score[j]) max_score[j] = lanes[i];
+        }
+    }
+#endif
+    for (; t < context_len; t++) {
         if (t + PREFETCH_TOKENS < context_len)
             prefetch_row(token_row(k_cache, table, t + PREFETCH_TOKENS, block_size, row_stride), row_stride);
         const float *k = token_row(k_cache, table, t, block_size, row_stride);
@@ -103,7 +170,32 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     for (int j = 0; j < num_heads; j++) sum[j] = exp_and_sum(scores + (long)j * context_len, context_len, max_score[j]);
     /* out_j = sum_t w[j, t] * v_t / sum_j */
     for (long i = 0; i < (long)num_heads * head_dim; i++) acc[i] = 0.f;
-    for (int t = 0; t < context_len; t++) {
+    t = 0;
+#ifdef __AVX2__
+    /* VALUE_TOKENS rows at a time into acc held in registers, each row's fma in token order */
+    if (head_dim % 8 == 0) {
+        for (; t + VALUE_TOKENS <= context_len; t += VALUE_TOKENS) {
+            const float *v[VALUE_TOKENS];
+            for (int u = 0; u < VALUE_TOKENS; u++) {
+                if (t + u + PREFETCH_TOKENS < context_len)
+                    prefetch_row(token_row(v_cache, table, t + u + PREFETCH_TOKENS, block_size, row_stride), row_stride);
+                v[u] = token_row(v_cache, table, t + u, block_size, row_stride);
+            }
+            for (int j = 0; j < num_heads; j++) {
+                const float *w = scores + (long)j * context_len + t;
+                const long at = (long)(j / group) * head_dim;
+                float *a = acc + (long)j * head_dim;
+                for (int i = 0; i < head_dim; i += 8) {
+                    __m256 sum = _mm256_loadu_ps(a + i);
+                    for (int u = 0; u < VALUE_TOKENS; u++)
+                        sum = _mm256_fmadd_ps(_mm256_set1_ps(w[u]), _mm256_loadu_ps(v[u] + at + i), sum);
+                    _mm256_storeu_ps(a + i, sum);
+                }
+            }
+        }
+    }
+#endif
+    for (; t < context_len; t++) {
         if (t + PREFETCH_TOKENS < context_len)
             prefetch_row(token_row(v_cache, table, t + PREFETCH_TOKENS, block_size, row_stride), row_stride);
         const float *v = token_row(v_cache, table, t, block_size, row_stride);
