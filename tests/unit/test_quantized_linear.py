@@ -257,7 +257,7 @@ def test_file_blocks_run_on_the_c_kernels_and_follow_the_dequantized_weight(ggml
     """Against x @ W.T in float64 with x on the kernel's code grid and W gguf's own dequantization: the
     kernels' only other rounding is fp32 sums (~1e-7 relative), so 1e-6 relative is some 5x that; a
     wrong code, scale or sub-block is ~1."""
-    blocks = {gguf_blocks.T.Q4_0: Q4_1Weight, gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q5_0: Q8_0Weight,
+    blocks = {gguf_blocks.T.Q4_0: Q4_1Weight, gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q5_0: Q5_1Weight,
               gguf_blocks.T.Q5_1: Q5_1Weight, gguf_blocks.T.Q8_0: Q8_0Weight}
     expected = blocks.get(ggml_type, KQuantWeight)
     for k in widths(ggml_type):
@@ -282,9 +282,9 @@ def test_file_blocks_dequantize_as_the_file_does(ggml_type):
 def test_file_blocks_take_about_the_files_bytes():
     """K types keep their codes at the type's own bits and their two-level scales (int8 sc and mn per 16
     weights, fp32 d and dmin per 256: 1.25 bits a weight more); Q5_1 takes the file's own bytes (fp16 d and
-    m per 32). Q4_0 adds an fp16 m (its -8 d) to its bytes as Q4_1, Q5_0 widens its codes to Q8_0's 8 bits."""
+    m per 32). Q4_0 and Q5_0 add an fp16 m (their -8 d and -16 d) to their bytes as Q4_1 and Q5_1."""
     n, k = 64, 512
-    bits = {gguf_blocks.T.Q4_0: 4 + 1.0, gguf_blocks.T.Q5_0: 8 + 0.5, gguf_blocks.T.Q5_1: 5 + 1.0,
+    bits = {gguf_blocks.T.Q4_0: 4 + 1.0, gguf_blocks.T.Q5_0: 5 + 1.0, gguf_blocks.T.Q5_1: 5 + 1.0,
             **{t: gguf_blocks.BITS[t] + 1.25 for t in gguf_blocks.K_TYPES}}
     for ggml_type, weight_bits in bits.items():
         assert gguf_weight.cpu_weight([file_tensor(ggml_type, n, k, 0)]).nbytes == n * k * weight_bits / 8

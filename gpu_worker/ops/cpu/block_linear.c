@@ -271,9 +271,11 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 }
 
 /* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one
- * weight row (its codes, d and, for Q4_1 and Q5_1, offsets m; else NULL). */
+ * weight row: its pairs as loaded (`unpacked`, where the caller unpacked them once for every row tile),
+ * else its codes and d, loaded here; and for Q4_1 and Q5_1 its offsets m (else NULL). */
 #define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
     static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int pairs,            \
+                                                           const PAIR_T *__restrict__ unpacked,              \
                                                            const uint8_t *__restrict__ codes,                \
                                                            const uint16_t *__restrict__ d,                   \
                                                            const uint16_t *__restrict__ offsets,             \
@@ -281,8 +283,13 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
         __m256 acc[ROW_TILE];                                                                                \
         for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();                                     \
         for (int p = 0; p < pairs; p++) {                                                                    \
-            _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);       \
-            const PAIR_T w = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                    \
+            PAIR_T w;                                                                                        \
+            if (unpacked) {                                                                                  \
+                w = unpacked[p];                                                                             \
+            } else {                                                                                         \
+                _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);   \
+                w = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                           \
+            }                                                                                                \
             for (int r = 0; r < rows; r++) {                                                                 \
                 const long xp = (row + r) * pairs + p;                                                       \
                 acc[r] = ACCUMULATE(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                 \
@@ -302,8 +309,11 @@ DEFINE_ROW_TILE(q4_1_tile, ByteRows, BytePair, load_q4_1, accumulate_bytes, Q4_1
 DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1_PAIR_BYTES)
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] fp16 (Q4_1, Q5_1) or NULL
- * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
-#define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_BYTES)                                             \
+ * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's
+ * unpacked pairs. Where the input has more than one row tile, a thread unpacks its group's weight
+ * pairs once (GROUP_ROWS x P of them, in L1 or L2) for all its row tiles: the same pairs, so the
+ * same bits, as unpacking them for every row tile, which a prefill chunk did M / ROW_TILE times. */
+#define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_T, LOAD, PAIR_BYTES)                                \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
              const uint16_t *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
@@ -314,36 +324,52 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
             return -1;                                                                                       \
         }                                                                                                    \
         QUANTIZE(x, M, K, q, num_threads);                                                                   \
-        const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;                                                \
-        /* guided: a fetch takes the groups left over the thread count, down to one group, so the       \
-         * threads finish together after a few fetches a call; a thread the OS preempts (other           \
-         * services share the cores) leaves the rest to the others. One group per fetch (dynamic, 1)    \
-         * made the fetches themselves the cost (docs/performance.md has the figures). */               \
-        _Pragma("omp parallel for schedule(guided) num_threads(num_threads)")                                \
-        for (int g = 0; g < groups; g++) {                                                                   \
-            const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;                   \
-            for (int r = 0; r < M; r += ROW_TILE) {                                                          \
-                for (int n = n0; n < n1; n++) {                                                              \
-                    const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                                \
-                    const uint16_t *wd = d + (long)n * 2 * pairs;                                            \
-                    const uint16_t *m = offsets ? offsets + (long)n * 2 * pairs : NULL;                      \
-                    float *o = out + (long)r * N + n;                                                        \
-                    /* a constant row count per call keeps the tile in registers */                          \
-                    switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                           \
-                    case 1: TILE(q, r, 1, pairs, wc, wd, m, o, N); break;                                    \
-                    case 2: TILE(q, r, 2, pairs, wc, wd, m, o, N); break;                                    \
-                    case 3: TILE(q, r, 3, pairs, wc, wd, m, o, N); break;                                    \
-                    default: TILE(q, r, ROW_TILE, pairs, wc, wd, m, o, N);                                   \
+        const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
+        int failed = 0;                                                                                      \
+        _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                                \
+        {                                                                                                    \
+            PAIR_T *group_pairs = unpack ? aligned_alloc(64, sizeof(PAIR_T) * GROUP_ROWS * (size_t)pairs) : NULL; \
+            /* guided: a fetch takes the groups left over the thread count, down to one group, so the   \
+             * threads finish together after a few fetches a call; a thread the OS preempts (other       \
+             * services share the cores) leaves the rest to the others. One group per fetch (dynamic, 1)\
+             * made the fetches themselves the cost (docs/performance.md has the figures). */           \
+            _Pragma("omp for schedule(guided)")                                                              \
+            for (int g = 0; g < groups; g++) {                                                               \
+                const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;               \
+                if (unpack && !group_pairs) {                                                                \
+                    failed = 1;                                                                              \
+                    continue;                                                                                \
+                }                                                                                            \
+                if (unpack)                                                                                  \
+                    for (int n = n0; n < n1; n++)                                                            \
+                        for (int p = 0; p < pairs; p++)                                                      \
+                            group_pairs[(n - n0) * pairs + p] = LOAD(codes + ((long)n * pairs + p) * PAIR_BYTES, \
+                                                                     d + (long)n * 2 * pairs + 2 * p);        \
+                for (int r = 0; r < M; r += ROW_TILE) {                                                      \
+                    for (int n = n0; n < n1; n++) {                                                          \
+                        const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
+                        const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                            \
+                        const uint16_t *wd = d + (long)n * 2 * pairs;                                        \
+                        const uint16_t *m = offsets ? offsets + (long)n * 2 * pairs : NULL;                  \
+                        float *o = out + (long)r * N + n;                                                    \
+                        /* a constant row count per call keeps the tile in registers */                      \
+                        switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                       \
+                        case 1: TILE(q, r, 1, pairs, w, wc, wd, m, o, N); break;                             \
+                        case 2: TILE(q, r, 2, pairs, w, wc, wd, m, o, N); break;                             \
+                        case 3: TILE(q, r, 3, pairs, w, wc, wd, m, o, N); break;                             \
+                        default: TILE(q, r, ROW_TILE, pairs, w, wc, wd, m, o, N);                            \
+                        }                                                                                    \
                     }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
+            free(group_pairs);                                                                               \
         }                                                                                                    \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                               \
-        return 0;                                                                                            \
+        return failed ? -1 : 0;                                                                              \
     }
 
-DEFINE_LINEAR(q4_1_linear_f32, q4_1_tile, ByteRows, quantize_rows_8bit, Q4_1_PAIR_BYTES)
-DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, Q5_1_PAIR_BYTES)
+DEFINE_LINEAR(q4_1_linear_f32, q4_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q4_1, Q4_1_PAIR_BYTES)
+DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q5_1, Q5_1_PAIR_BYTES)
 
 #ifdef DPBUSD
 /* Q8_0 on 8-bit codes where VNNI takes their products without saturating: the input codes + 128 as
@@ -377,7 +403,7 @@ static inline __m256 accumulate_shifted(__m256 acc, const SignedPair *w, const i
 }
 
 DEFINE_ROW_TILE(q8_0_tile, ByteRows, SignedPair, load_q8_0, accumulate_shifted, Q8_0_PAIR_BYTES)
-DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, ByteRows, quantize_rows_shifted, Q8_0_PAIR_BYTES)
+DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, ByteRows, quantize_rows_shifted, SignedPair, load_q8_0, Q8_0_PAIR_BYTES)
 #else
 #define Q8_0_CODE_MAX CODE_MAX
 static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
@@ -388,7 +414,7 @@ static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
 }
 
 DEFINE_ROW_TILE(q8_0_tile, QuantRows, Pair, load_q8_0, accumulate_words, Q8_0_PAIR_BYTES)
-DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Q8_0_PAIR_BYTES)
+DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Pair, load_q8_0, Q8_0_PAIR_BYTES)
 #endif
 /* the largest input code of the Q8_0 linear in this build (for the tests' reference) */
 const int q8_0_code_max = Q8_0_CODE_MAX;

@@ -137,19 +137,34 @@ static inline float hsum4(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-/* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one weight row */
-#define DEFINE_SUB_TILE(NAME, CODES, SCALES, ACCUMULATE, PAIR_BYTES)                                                 \
+/* One pair of a weight row, its codes as bytes and its sub-block scales. */
+#define DEFINE_SUB_LOAD(NAME, CODES, SCALES, PAIR_BYTES)                                                             \
+    static inline __attribute__((always_inline)) SubPair NAME(const uint8_t *__restrict__ codes, RowScales s, int p) { \
+        SubPair w;                                                                                                   \
+        CODES(codes + (long)p * PAIR_BYTES, w.c);                                                                    \
+        SCALES(&w, s, p);                                                                                            \
+        return w;                                                                                                    \
+    }
+
+/* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one weight
+ * row: its pairs as loaded (`unpacked`, where the caller unpacked them once for every row tile), else
+ * its codes and scales, loaded here */
+#define DEFINE_SUB_TILE(NAME, LOAD, ACCUMULATE, PAIR_BYTES)                                                          \
     static inline __attribute__((always_inline)) void NAME(ByteRows q, const float *sums, long row, int rows,       \
-                                                           int pairs, const uint8_t *__restrict__ codes,             \
+                                                           int pairs, const SubPair *__restrict__ unpacked,          \
+                                                           const uint8_t *__restrict__ codes,                        \
                                                            RowScales s, float *__restrict__ out, long N) {           \
         __m256 acc[ROW_TILE];                                                                                        \
         __m128 off[ROW_TILE];                                                                                        \
         for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps(), off[r] = _mm_setzero_ps();                  \
         for (int p = 0; p < pairs; p++) {                                                                            \
-            _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);                \
             SubPair w;                                                                                               \
-            CODES(codes + (long)p * PAIR_BYTES, w.c);                                                                \
-            SCALES(&w, s, p);                                                                                        \
+            if (unpacked) {                                                                                          \
+                w = unpacked[p];                                                                                     \
+            } else {                                                                                                 \
+                _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);            \
+                w = LOAD(codes, s, p);                                                                               \
+            }                                                                                                        \
             for (int r = 0; r < rows; r++) {                                                                         \
                 const long xp = (row + r) * pairs + p;                                                               \
                 acc[r] = ACCUMULATE(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                         \
@@ -166,8 +181,10 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
 }
 
 /* x [M, K] fp32; codes [N, P * 8 bits]; d, offset [N, K/256] fp32 and sc, mn [N, K/16] int8 as above;
- * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes. */
-#define DEFINE_SUB_LINEAR(NAME, TILE, PAIR_BYTES)                                                            \
+ * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's unpacked
+ * pairs. As block_linear.c's DEFINE_LINEAR, a thread unpacks its group's pairs once where the input has
+ * more than one row tile. */
+#define DEFINE_SUB_LINEAR(NAME, TILE, LOAD, PAIR_BYTES)                                                      \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const float *d, const float *offset, \
              const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,                                    \
              float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
@@ -182,31 +199,48 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
         }                                                                                                    \
         quantize_rows_8bit(x, M, K, q, num_threads);                                                         \
         sub_block_sums(q, M, pairs, sums, num_threads);                                                      \
-        const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS;                                                \
-        _Pragma("omp parallel for schedule(guided) num_threads(num_threads)")                                \
-        for (int g = 0; g < groups; g++) {                                                                   \
-            const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;                   \
-            for (int r = 0; r < M; r += ROW_TILE) {                                                          \
-                for (int n = n0; n < n1; n++) {                                                              \
-                    const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                                \
-                    const RowScales s = row_scales(d, offset, sc, mn, n, pairs);                             \
-                    float *o = out + (long)r * N + n;                                                        \
-                    switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                           \
-                    case 1: TILE(q, sums, r, 1, pairs, wc, s, o, N); break;                                  \
-                    case 2: TILE(q, sums, r, 2, pairs, wc, s, o, N); break;                                  \
-                    case 3: TILE(q, sums, r, 3, pairs, wc, s, o, N); break;                                  \
-                    default: TILE(q, sums, r, ROW_TILE, pairs, wc, s, o, N);                                 \
+        const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
+        int failed = 0;                                                                                      \
+        _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                                \
+        {                                                                                                    \
+            SubPair *group_pairs = unpack ? aligned_alloc(64, sizeof(SubPair) * GROUP_ROWS * (size_t)pairs) : NULL; \
+            _Pragma("omp for schedule(guided)")                                                              \
+            for (int g = 0; g < groups; g++) {                                                               \
+                const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;               \
+                if (unpack && !group_pairs) {                                                                \
+                    failed = 1;                                                                              \
+                    continue;                                                                                \
+                }                                                                                            \
+                if (unpack)                                                                                  \
+                    for (int n = n0; n < n1; n++)                                                            \
+                        for (int p = 0; p < pairs; p++)                                                      \
+                            group_pairs[(n - n0) * pairs + p] = LOAD(codes + (long)n * pairs * PAIR_BYTES,     \
+                                                                     row_scales(d, offset, sc, mn, n, pairs), p); \
+                for (int r = 0; r < M; r += ROW_TILE) {                                                      \
+                    for (int n = n0; n < n1; n++) {                                                          \
+                        const SubPair *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                   \
+                        const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                            \
+                        const RowScales s = row_scales(d, offset, sc, mn, n, pairs);                         \
+                        float *o = out + (long)r * N + n;                                                    \
+                        switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                       \
+                        case 1: TILE(q, sums, r, 1, pairs, w, wc, s, o, N); break;                           \
+                        case 2: TILE(q, sums, r, 2, pairs, w, wc, s, o, N); break;                           \
+                        case 3: TILE(q, sums, r, 3, pairs, w, wc, s, o, N); break;                           \
+                        default: TILE(q, sums, r, ROW_TILE, pairs, w, wc, s, o, N);                          \
+                        }                                                                                    \
                     }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
+            free(group_pairs);                                                                               \
         }                                                                                                    \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                                   \
-        return 0;                                                                                            \
+        return failed ? -1 : 0;                                                                              \
     }
 
 #define DEFINE_KIND(BITS)                                                           \
-    DEFINE_SUB_TILE(k##BITS##_tile, CODES_##BITS, k_scales, sub_accumulate, 8 * BITS) \
-    DEFINE_SUB_LINEAR(k##BITS##_linear_f32, k##BITS##_tile, 8 * BITS)
+    DEFINE_SUB_LOAD(k##BITS##_load, CODES_##BITS, k_scales, 8 * BITS)                \
+    DEFINE_SUB_TILE(k##BITS##_tile, k##BITS##_load, sub_accumulate, 8 * BITS)        \
+    DEFINE_SUB_LINEAR(k##BITS##_linear_f32, k##BITS##_tile, k##BITS##_load, 8 * BITS)
 
 DEFINE_KIND(2)
 DEFINE_KIND(3)

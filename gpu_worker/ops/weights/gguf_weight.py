@@ -4,10 +4,10 @@ backend's format FILE_FORMATS, gpu_worker/ops/cpu/backend.py).
     file type                  CPU linear                          kernel
     Q4_1, Q4_0                 Q4_1Weight (Q4_0's offset -8 d is    ops/cpu/block_linear.c
                                Q4_1's m; Q8_0 if it overflows fp16)
-    Q5_1                       Q5_1Weight                           ops/cpu/block_linear.c
-    Q8_0, Q5_0                 Q8_0Weight (Q5_0's code - 16 is a    ops/cpu/block_linear.c
-                               Q8_0 code: 8.5 bits against 5.5,
-                               faster than unpacking its 5th bits)
+    Q5_1, Q5_0                 Q5_1Weight (Q5_0's offset -16 d is   ops/cpu/block_linear.c
+                               Q5_1's m; Q8_0 if it overflows fp16,
+                               or beside Q8_0 rows of one weight)
+    Q8_0                       Q8_0Weight                           ops/cpu/block_linear.c
     Q2_K Q3_K Q4_K Q5_K Q6_K   KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
                                the file's scales)
     F32 F16 BF16               prepacked fp32 (ops/weights/packed_linear.py)
@@ -17,7 +17,11 @@ the kernel's layout, with no float copy of a quantized weight. A fused weight (Q
 up) whose parts share a type is one weight of their rows; a K-quant mix gives parts of different
 types (llama-quantize's Q4_K_M stores some V projections in Q6_K or Q8_0, and a width that is not a
 multiple of 256 in a legacy type): parts that become blocks of one kind are still one weight (a Q5_0 Q and
-K beside a Q8_0 V), others run as one kernel call each (`RowsWeight`).
+K beside a Q8_0 V, the Q5_0 codes widened to Q8_0's), others run as one kernel call each (`RowsWeight`).
+
+Q5_0 ran as Q8_0 (8.5 bits a weight) until the block kernels unpacked a weight row once for a whole
+prefill chunk: as Q5_1 (6 bits), a Q4_K_M SmolLM2's decode step takes about a fifth less time and a
+512-token prefill about as long (docs/models.md).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight, Q
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = gguf_blocks.FLOAT_TYPES + gguf_blocks.QUANTIZED_TYPES
-BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # what block_linear.c runs (Q4_0 as Q4_1, Q5_0 as Q8_0)
+BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # what block_linear.c runs (Q4_0 as Q4_1, Q5_0 as Q5_1)
 FILE_FORMATS = "gguf"  # the CPU backend's weight format for weights kept as the file has them
 
 
@@ -75,7 +79,8 @@ def _stacked(parts: list[FileTensor]) -> FileTensor:
     return FileTensor(parts[0].ggml_type, np.concatenate([p.data for p in parts]), parts[0].in_features)
 
 
-def _single(t: FileTensor) -> QuantizedWeight | nn.Parameter:
+def _single(t: FileTensor, as_q8_0: bool = False) -> QuantizedWeight | nn.Parameter:
+    """One tensor's CPU linear; as_q8_0: Q5_0 as Q8_0 blocks, to join Q8_0 rows of the same weight."""
     n, k = t.out_features, t.in_features
     if not t.quantized:
         return nn.Parameter(packed_linear.pack(t.dequantize()), requires_grad=False)
@@ -86,14 +91,14 @@ def _single(t: FileTensor) -> QuantizedWeight | nn.Parameter:
     d, offset = torch.from_numpy(parts.d), torch.from_numpy(parts.offset)
     if t.ggml_type == T.Q4_1 or (t.ggml_type == T.Q4_0 and _fits_fp16(offset)):
         return Q4_1Weight.from_packed(block_linear.pack_q4_1(codes, d, offset), n, k)
-    if t.ggml_type == T.Q5_1:
+    if t.ggml_type == T.Q5_1 or (t.ggml_type == T.Q5_0 and not as_q8_0 and _fits_fp16(offset)):
         return Q5_1Weight.from_packed(block_linear.pack_q5_1(codes, d, offset), n, k)
     zero = gguf_blocks.ZERO_CODES.get(t.ggml_type, 0)
     return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes - zero, d), n, k)
 
 
 def _fits_fp16(offset: torch.Tensor) -> bool:
-    """Whether Q4_0's offsets -8 d (exact in fp16 where they fit: d is fp16) are Q4_1's fp16 m."""
+    """Whether Q4_0's offsets -8 d or Q5_0's -16 d (exact in fp16 where they fit: d is fp16) are an fp16 m."""
     return bool((offset.abs() <= torch.finfo(torch.float16).max).all())
 
 
@@ -129,7 +134,8 @@ def cpu_weight(parts: list[FileTensor]) -> QuantizedWeight | nn.Parameter:
     """The row blocks of one (fused) weight, in order -> its CPU linear in the file's format(s)."""
     if all(p.ggml_type == parts[0].ggml_type for p in parts):
         return _single(_stacked(parts))
-    weights = [_single(p) for p in parts]
+    as_q8_0 = {p.ggml_type for p in parts} == {T.Q5_0, T.Q8_0}
+    weights = [_single(p, as_q8_0) for p in parts]
     blocks = [w for w in weights if isinstance(w, BlockWeight)]
     joined = _joined(blocks) if len(blocks) == len(weights) else None
     return joined or RowsWeight(weights, [p.out_features for p in parts], parts[0].in_features)
