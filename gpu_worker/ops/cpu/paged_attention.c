@@ -71,9 +71,18 @@ static inline float exp_and_sum(float *__restrict__ w, int n, float max) {
 
 #define PREFETCH_TOKENS 4 /* rows asked for ahead of the one in hand */
 
+/* The vector score path reproduces row_dot's bits where the compiler reduces it in 8 lanes (AVX2;
+ * with AVX-512 enabled it takes 16, so that build keeps row_dot): the same scores as before it. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define SCORE_VECTORS 1
+#endif
+
 #ifdef __AVX2__
-#define SCORE_TOKENS 8 /* tokens whose dot products are summed across lanes together */
 #define VALUE_TOKENS 4 /* tokens whose weighted V rows pass through one load and store of acc */
+#endif
+
+#ifdef SCORE_VECTORS
+#define SCORE_TOKENS 8 /* tokens whose dot products are summed across lanes together */
 
 /* the 8 lanes of dot(q, k) over d (a multiple of 8): lane i sums q[i + 8c] * k[i + 8c] over c, in order */
 static inline __m256 dot_lanes(const float *__restrict__ q, const float *__restrict__ k, int d) {
@@ -82,8 +91,8 @@ static inline __m256 dot_lanes(const float *__restrict__ q, const float *__restr
     return acc;
 }
 
-/* [sum of v[0]'s lanes, ..., sum of v[7]'s]: a transpose, then each sum as (0+4, 1+5, 2+6, 3+7),
- * then pairs, then the last two */
+/* [sum of v[0]'s lanes, ..., sum of v[7]'s]: a transpose, then each sum from 0 in lane order, as
+ * row_dot's vectorised reduction adds its lanes (so a score is the same bits either way) */
 static inline __m256 sum_lanes8(const __m256 v[8]) {
     const __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]);
     const __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]);
@@ -98,9 +107,10 @@ static inline __m256 sum_lanes8(const __m256 v[8]) {
     const __m256 l1 = _mm256_permute2f128_ps(b1, b5, 0x20), l5 = _mm256_permute2f128_ps(b1, b5, 0x31);
     const __m256 l2 = _mm256_permute2f128_ps(b2, b6, 0x20), l6 = _mm256_permute2f128_ps(b2, b6, 0x31);
     const __m256 l3 = _mm256_permute2f128_ps(b3, b7, 0x20), l7 = _mm256_permute2f128_ps(b3, b7, 0x31);
-    const __m256 s0 = _mm256_add_ps(l0, l4), s1 = _mm256_add_ps(l1, l5);
-    const __m256 s2 = _mm256_add_ps(l2, l6), s3 = _mm256_add_ps(l3, l7);
-    return _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+    const __m256 lanes[8] = {l0, l1, l2, l3, l4, l5, l6, l7};
+    __m256 sum = _mm256_setzero_ps();
+    for (int l = 0; l < 8; l++) sum = _mm256_add_ps(sum, lanes[l]);
+    return sum;
 }
 #endif
 
@@ -125,7 +135,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     /* scores[j, t] = q_j . k_t * scale, and their max per head */
     for (int j = 0; j < num_heads; j++) max_score[j] = -INFINITY;
     int t = 0;
-#ifdef __AVX2__
+#ifdef SCORE_VECTORS
     /* SCORE_TOKENS tokens at a time, their lane sums in one transpose (which tokens go this way
      * depends only on context_len, so a query's scores are the same bits in any batch) */
     if (head_dim % 8 == 0 && context_len >= SCORE_TOKENS) {
