@@ -308,11 +308,61 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 DEFINE_ROW_TILE(q4_1_tile, ByteRows, BytePair, load_q4_1, accumulate_bytes, Q4_1_PAIR_BYTES)
 DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1_PAIR_BYTES)
 
+/* The body of a linear's call after its input is quantized: the weight rows in groups of GROUP_ROWS
+ * over the threads, each group's row tiles in turn. Where the input has more than one row tile, a
+ * thread unpacks its group's weight pairs once (GROUP_ROWS x P of them, in L1 or L2) for all its
+ * row tiles: the same pairs, so the same bits, as unpacking them for every row tile, which a prefill
+ * chunk did M / ROW_TILE times. UNPACK(A, B, C, n, p) gives row n's pair p as PAIR_T, CALL(A, B, C,
+ * rows, w, n, r, o) runs the tile of `rows` input rows from r against row n (w: its unpacked pairs or
+ * NULL) into o; A, B, C are the kind's own (its loader, tile, pair bytes). Leaves `failed` set where
+ * a thread had no memory for its pairs. */
+#define SWEEP_GROUPS(PAIR_T, UNPACK, CALL, A, B, C)                                                        \
+    const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
+    int failed = 0;                                                                                      \
+    _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                                \
+    {                                                                                                    \
+        PAIR_T *group_pairs = unpack ? aligned_alloc(64, sizeof(PAIR_T) * GROUP_ROWS * (size_t)pairs) : NULL; \
+        /* guided: a fetch takes the groups left over the thread count, down to one group, so the       \
+         * threads finish together after a few fetches a call; a thread the OS preempts (other           \
+         * services share the cores) leaves the rest to the others. One group per fetch (dynamic, 1)    \
+         * made the fetches themselves the cost (docs/performance.md has the figures). */               \
+        _Pragma("omp for schedule(guided)")                                                              \
+        for (int g = 0; g < groups; g++) {                                                               \
+            const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;               \
+            if (unpack && !group_pairs) {                                                                \
+                failed = 1;                                                                              \
+                continue;                                                                                \
+            }                                                                                            \
+            if (unpack)                                                                                  \
+                for (int n = n0; n < n1; n++)                                                            \
+                    for (int p = 0; p < pairs; p++) group_pairs[(n - n0) * pairs + p] = UNPACK(A, B, C, n, p); \
+            for (int r = 0; r < M; r += ROW_TILE) {                                                      \
+                for (int n = n0; n < n1; n++) {                                                          \
+                    const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
+                    float *o = out + (long)r * N + n;                                                    \
+                    /* a constant row count per call keeps the tile in registers */                      \
+                    switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                       \
+                    case 1: CALL(A, B, C, 1, w, n, r, o); break;                                         \
+                    case 2: CALL(A, B, C, 2, w, n, r, o); break;                                         \
+                    case 3: CALL(A, B, C, 3, w, n, r, o); break;                                         \
+                    default: CALL(A, B, C, ROW_TILE, w, n, r, o);                                        \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        free(group_pairs);                                                                               \
+    }
+
+/* a block weight's pair p of row n, and its tile against row n */
+#define BLOCK_PAIR(LOAD, TILE, PAIR_BYTES, n, p)                                                           \
+    LOAD(codes + ((long)(n) * pairs + (p)) * PAIR_BYTES, d + (long)(n) * 2 * pairs + 2 * (p))
+#define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, w, n, r, o)                                              \
+    TILE(q, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs,           \
+         offsets ? offsets + (long)(n) * 2 * pairs : NULL, o, N)
+
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] fp16 (Q4_1, Q5_1) or NULL
  * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's
- * unpacked pairs. Where the input has more than one row tile, a thread unpacks its group's weight
- * pairs once (GROUP_ROWS x P of them, in L1 or L2) for all its row tiles: the same pairs, so the
- * same bits, as unpacking them for every row tile, which a prefill chunk did M / ROW_TILE times. */
+ * unpacked pairs. */
 #define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_T, LOAD, PAIR_BYTES)                                \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
              const uint16_t *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \
@@ -324,46 +374,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
             return -1;                                                                                       \
         }                                                                                                    \
         QUANTIZE(x, M, K, q, num_threads);                                                                   \
-        const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
-        int failed = 0;                                                                                      \
-        _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                                \
-        {                                                                                                    \
-            PAIR_T *group_pairs = unpack ? aligned_alloc(64, sizeof(PAIR_T) * GROUP_ROWS * (size_t)pairs) : NULL; \
-            /* guided: a fetch takes the groups left over the thread count, down to one group, so the   \
-             * threads finish together after a few fetches a call; a thread the OS preempts (other       \
-             * services share the cores) leaves the rest to the others. One group per fetch (dynamic, 1)\
-             * made the fetches themselves the cost (docs/performance.md has the figures). */           \
-            _Pragma("omp for schedule(guided)")                                                              \
-            for (int g = 0; g < groups; g++) {                                                               \
-                const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;               \
-                if (unpack && !group_pairs) {                                                                \
-                    failed = 1;                                                                              \
-                    continue;                                                                                \
-                }                                                                                            \
-                if (unpack)                                                                                  \
-                    for (int n = n0; n < n1; n++)                                                            \
-                        for (int p = 0; p < pairs; p++)                                                      \
-                            group_pairs[(n - n0) * pairs + p] = LOAD(codes + ((long)n * pairs + p) * PAIR_BYTES, \
-                                                                     d + (long)n * 2 * pairs + 2 * p);        \
-                for (int r = 0; r < M; r += ROW_TILE) {                                                      \
-                    for (int n = n0; n < n1; n++) {                                                          \
-                        const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
-                        const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                            \
-                        const uint16_t *wd = d + (long)n * 2 * pairs;                                        \
-                        const uint16_t *m = offsets ? offsets + (long)n * 2 * pairs : NULL;                  \
-                        float *o = out + (long)r * N + n;                                                    \
-                        /* a constant row count per call keeps the tile in registers */                      \
-                        switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                       \
-                        case 1: TILE(q, r, 1, pairs, w, wc, wd, m, o, N); break;                             \
-                        case 2: TILE(q, r, 2, pairs, w, wc, wd, m, o, N); break;                             \
-                        case 3: TILE(q, r, 3, pairs, w, wc, wd, m, o, N); break;                             \
-                        default: TILE(q, r, ROW_TILE, pairs, w, wc, wd, m, o, N);                            \
-                        }                                                                                    \
-                    }                                                                                        \
-                }                                                                                            \
-            }                                                                                                \
-            free(group_pairs);                                                                               \
-        }                                                                                                    \
+        SWEEP_GROUPS(PAIR_T, BLOCK_PAIR, BLOCK_TILE, LOAD, TILE, PAIR_BYTES)                                 \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                               \
         return failed ? -1 : 0;                                                                              \
     }

@@ -180,10 +180,16 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
     return (RowScales){d + n * (pairs / 4), offset + n * (pairs / 4), sc + n * 4 * pairs, mn + n * 4 * pairs};
 }
 
+/* a K-quant weight's pair p of row n, and its tile against row n (block_linear.c's SWEEP_GROUPS) */
+#define SUB_PAIR(LOAD, TILE, PAIR_BYTES, n, p)                                                             \
+    LOAD(codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, offset, sc, mn, n, pairs), p)
+#define SUB_TILE(LOAD, TILE, PAIR_BYTES, rows, w, n, r, o)                                                \
+    TILE(q, sums, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, offset, sc, mn, n, pairs), \
+         o, N)
+
 /* x [M, K] fp32; codes [N, P * 8 bits]; d, offset [N, K/256] fp32 and sc, mn [N, K/16] int8 as above;
  * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's unpacked
- * pairs. As block_linear.c's DEFINE_LINEAR, a thread unpacks its group's pairs once where the input has
- * more than one row tile. */
+ * pairs. */
 #define DEFINE_SUB_LINEAR(NAME, TILE, LOAD, PAIR_BYTES)                                                      \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const float *d, const float *offset, \
              const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,                                    \
@@ -199,40 +205,7 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
         }                                                                                                    \
         quantize_rows_8bit(x, M, K, q, num_threads);                                                         \
         sub_block_sums(q, M, pairs, sums, num_threads);                                                      \
-        const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
-        int failed = 0;                                                                                      \
-        _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                                \
-        {                                                                                                    \
-            SubPair *group_pairs = unpack ? aligned_alloc(64, sizeof(SubPair) * GROUP_ROWS * (size_t)pairs) : NULL; \
-            _Pragma("omp for schedule(guided)")                                                              \
-            for (int g = 0; g < groups; g++) {                                                               \
-                const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;               \
-                if (unpack && !group_pairs) {                                                                \
-                    failed = 1;                                                                              \
-                    continue;                                                                                \
-                }                                                                                            \
-                if (unpack)                                                                                  \
-                    for (int n = n0; n < n1; n++)                                                            \
-                        for (int p = 0; p < pairs; p++)                                                      \
-                            group_pairs[(n - n0) * pairs + p] = LOAD(codes + (long)n * pairs * PAIR_BYTES,     \
-                                                                     row_scales(d, offset, sc, mn, n, pairs), p); \
-                for (int r = 0; r < M; r += ROW_TILE) {                                                      \
-                    for (int n = n0; n < n1; n++) {                                                          \
-                        const SubPair *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                   \
-                        const uint8_t *wc = codes + (long)n * pairs * PAIR_BYTES;                            \
-                        const RowScales s = row_scales(d, offset, sc, mn, n, pairs);                         \
-                        float *o = out + (long)r * N + n;                                                    \
-                        switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                       \
-                        case 1: TILE(q, sums, r, 1, pairs, w, wc, s, o, N); break;                           \
-                        case 2: TILE(q, sums, r, 2, pairs, w, wc, s, o, N); break;                           \
-                        case 3: TILE(q, sums, r, 3, pairs, w, wc, s, o, N); break;                           \
-                        default: TILE(q, sums, r, ROW_TILE, pairs, w, wc, s, o, N);                          \
-                        }                                                                                    \
-                    }                                                                                        \
-                }                                                                                            \
-            }                                                                                                \
-            free(group_pairs);                                                                               \
-        }                                                                                                    \
+        SWEEP_GROUPS(SubPair, SUB_PAIR, SUB_TILE, LOAD, TILE, PAIR_BYTES)                                    \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                                   \
         return failed ? -1 : 0;                                                                              \
     }
