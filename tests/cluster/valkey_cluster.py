@@ -17,7 +17,7 @@ import time
 
 import redis
 
-from llmserve.local.valkey import ValkeyServer, free_port
+from llmserve.local.valkey import PortTaken, ValkeyServer, free_port
 
 SLOTS = 16384
 
@@ -30,6 +30,15 @@ class ClusterNode(ValkeyServer):
         super().__init__()
         self.bus_port = free_port()
         self.node_timeout_ms = node_timeout_ms
+
+    def _start_once(self, timeout_s: float) -> None:
+        """The port found taken may be the bus port, picked apart: a retry (ValkeyServer.start) takes a
+        new client port, so take a new bus port too."""
+        try:
+            super()._start_once(timeout_s)
+        except PortTaken:
+            self.bus_port = free_port()
+            raise
 
     def command(self) -> list[str]:
         return [*super().command(), "--cluster-enabled", "yes",
