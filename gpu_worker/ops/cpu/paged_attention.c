@@ -38,6 +38,17 @@ static inline const float *token_row(const float *cache, const int32_t *table, i
     return cache + ((long)table[t / block_size] * block_size + t % block_size) * row_stride;
 }
 
+#define PREFETCH_TOKENS 4 /* rows asked for ahead of the one in hand */
+
+/* Token t's row in a walk of the context in token order, asking for the row PREFETCH_TOKENS ahead
+ * (across blocks and pages, where the hardware prefetcher does not follow). */
+static inline const float *walk_row(const float *cache, const int32_t *table, int t, int context_len, int block_size,
+                                    long row_stride) {
+    if (t + PREFETCH_TOKENS < context_len)
+        prefetch_row(token_row(cache, table, t + PREFETCH_TOKENS, block_size, row_stride), row_stride);
+    return token_row(cache, table, t, block_size, row_stride);
+}
+
 #if defined(__AVX2__) && defined(__GLIBC__)
 #define LIBMVEC 1
 /* glibc's libmvec expf, 8 at a time (the AVX2 variant, named by the x86-64 vector function ABI) */
@@ -68,8 +79,6 @@ static inline float exp_and_sum(float *__restrict__ w, int n, float max) {
     }
     return sum;
 }
-
-#define PREFETCH_TOKENS 4 /* rows asked for ahead of the one in hand */
 
 /* The vector score path reproduces row_dot's bits where the compiler reduces it in 8 lanes (AVX2;
  * with AVX-512 enabled it takes 16, so that build keeps row_dot): the same scores as before it. */
@@ -143,11 +152,8 @@ static inline __attribute__((always_inline)) void attend_seq_d(
         for (int j = 0; j < num_heads; j++) max8[j] = _mm256_set1_ps(-INFINITY);
         for (; t + SCORE_TOKENS <= context_len; t += SCORE_TOKENS) {
             const float *k[SCORE_TOKENS];
-            for (int u = 0; u < SCORE_TOKENS; u++) {
-                if (t + u + PREFETCH_TOKENS < context_len)
-                    prefetch_row(token_row(k_cache, table, t + u + PREFETCH_TOKENS, block_size, row_stride), row_stride);
-                k[u] = token_row(k_cache, table, t + u, block_size, row_stride);
-            }
+            for (int u = 0; u < SCORE_TOKENS; u++)
+                k[u] = walk_row(k_cache, table, t + u, context_len, block_size, row_stride);
             for (int j = 0; j < num_heads; j++) {
                 const float *qj = q + (long)j * head_dim;
                 const long at = (long)(j / group) * head_dim;
@@ -167,9 +173,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     }
 #endif
     for (; t < context_len; t++) {
-        if (t + PREFETCH_TOKENS < context_len)
-            prefetch_row(token_row(k_cache, table, t + PREFETCH_TOKENS, block_size, row_stride), row_stride);
-        const float *k = token_row(k_cache, table, t, block_size, row_stride);
+        const float *k = walk_row(k_cache, table, t, context_len, block_size, row_stride);
         for (int j = 0; j < num_heads; j++) {
             const float s = row_dot(q + (long)j * head_dim, k + (long)(j / group) * head_dim, head_dim) * scale;
             scores[(long)j * context_len + t] = s;
@@ -186,11 +190,8 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     if (head_dim % 8 == 0) {
         for (; t + VALUE_TOKENS <= context_len; t += VALUE_TOKENS) {
             const float *v[VALUE_TOKENS];
-            for (int u = 0; u < VALUE_TOKENS; u++) {
-                if (t + u + PREFETCH_TOKENS < context_len)
-                    prefetch_row(token_row(v_cache, table, t + u + PREFETCH_TOKENS, block_size, row_stride), row_stride);
-                v[u] = token_row(v_cache, table, t + u, block_size, row_stride);
-            }
+            for (int u = 0; u < VALUE_TOKENS; u++)
+                v[u] = walk_row(v_cache, table, t + u, context_len, block_size, row_stride);
             for (int j = 0; j < num_heads; j++) {
                 const float *w = scores + (long)j * context_len + t;
                 const long at = (long)(j / group) * head_dim;
@@ -206,9 +207,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     }
 #endif
     for (; t < context_len; t++) {
-        if (t + PREFETCH_TOKENS < context_len)
-            prefetch_row(token_row(v_cache, table, t + PREFETCH_TOKENS, block_size, row_stride), row_stride);
-        const float *v = token_row(v_cache, table, t, block_size, row_stride);
+        const float *v = walk_row(v_cache, table, t, context_len, block_size, row_stride);
         for (int j = 0; j < num_heads; j++)
             row_axpy(acc + (long)j * head_dim, v + (long)(j / group) * head_dim, scores[(long)j * context_len + t],
                      head_dim);
