@@ -90,6 +90,11 @@ def request_format(args: argparse.Namespace) -> str:
     return "/v1/completions" if args.distinct_prompts else "/v1/chat/completions"
 
 
+def sampling_extras(args: argparse.Namespace) -> str:
+    """guidellm backend keys that put --temperature in every request body ('' = each server's default)."""
+    return "" if args.temperature is None else f",extras.body.temperature={args.temperature}"
+
+
 def prompt_seed(pass_number: int, run: int) -> int:
     """guidellm's seed for a server's `run`-th guidellm run (0: the warm-up) in pass `pass_number`: the
     same for both servers of a pass, different for every other run of the bench."""
@@ -103,7 +108,7 @@ def run_level(target: str, tokenizer: Path, streams: int, requests: int, seed: i
     command = [
         args.guidellm, "run",
         "--backend", f"kind=openai_http,target={target},model={MODEL},api_key={args.api_key},"
-                     f"request_format={request_format(args)}",
+                     f"request_format={request_format(args)}{sampling_extras(args)}",
         "--tokenizer", f"kind=hf_auto,model={tokenizer}",
         "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
         "--profile", f"kind=concurrent,streams={streams}",
@@ -280,6 +285,7 @@ def run_record(args: argparse.Namespace, argv: list[str], machine: dict, model: 
         "workload": {"tool": "guidellm 0.8.1", "prompts": "distinct" if args.distinct_prompts else "chat",
                      "request_format": request_format(args), "prompt_tokens": args.prompt_tokens,
                      "output_tokens": args.output_tokens, "requests": args.requests,
+                     "temperature": "each server's default" if args.temperature is None else args.temperature,
                      "warmup_requests": args.warmup_requests,
                      "prompt_seeds": "guidellm --seed 1000 * pass + run (run 0: the warm-up), both servers alike",
                      "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
@@ -343,6 +349,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=24, help="requests per level")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature every request "
+                        "asks both servers for (0: greedy; default: none sent, each server samples with its own)")
     parser.add_argument("--distinct-prompts", action="store_true", help="long-prompt mode: raw-text prompts to "
                         "/v1/completions, no two sharing a first token (use with --prompt-tokens 1500)")
     parser.add_argument("--warmup-requests", type=int, default=4, help="unmeasured requests at 1 stream before "

@@ -35,8 +35,11 @@ def load_runs(directory: Path = RUNS) -> list[tuple[str, dict]]:
 def _heading(record: dict) -> str:
     machine, work = record["machine"], record["workload"]
     prompts = "distinct raw-text prompts" if work["prompts"] == "distinct" else "chat prompts"
+    temperature = work.get("temperature")   # runs before 2026-12-06 sent none
+    sampling = "" if temperature is None or isinstance(temperature, str) else \
+        (", greedy" if temperature == 0 else f", temperature {temperature:g}")
     return (f"### {record['date'].replace('T', ' ').rstrip('Z')} UTC: {machine['cpu_model']}, "
-            f"{work['prompt_tokens']}-token {prompts}, {work['output_tokens']} output tokens")
+            f"{work['prompt_tokens']}-token {prompts}, {work['output_tokens']} output tokens{sampling}")
 
 
 def _provenance(name: str, record: dict) -> list[str]:

@@ -15,6 +15,9 @@ KV_USAGE = Gauge("llmserve_worker_kv_cache_usage_ratio", "fraction of KV blocks 
 PREFIX_HIT_RATE = Gauge("llmserve_worker_prefix_cache_hit_ratio", "prompt tokens served from the prefix cache")
 PREEMPTIONS = Counter("llmserve_worker_preemptions_total", "sequences preempted (recompute)")
 GENERATED = Counter("llmserve_worker_generated_tokens_total", "tokens generated")
+DRAFT_TOKENS = Counter("llmserve_worker_draft_tokens_total", "drafted tokens computed (prompt-lookup speculation)")
+ACCEPTED_DRAFT_TOKENS = Counter("llmserve_worker_accepted_draft_tokens_total",
+                                "drafted tokens kept: the token sampled at their position")
 TOKENS_PER_S = Gauge("llmserve_worker_tokens_per_second", "generated tokens per second, last step")
 STEP_SECONDS = Histogram("llmserve_worker_step_seconds", "engine step duration",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))

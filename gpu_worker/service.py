@@ -32,6 +32,7 @@ from gpu_worker.config import WorkerSettings
 from gpu_worker.engine.constraint import load_constraints
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams
+from gpu_worker.engine.speculation import SpeculationConfig
 from gpu_worker.handoff import hand_back
 from gpu_worker.heartbeat import Heartbeat
 from gpu_worker.model.kv_cache import num_blocks_for_budget
@@ -66,7 +67,8 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
                           max_num_seqs=settings.max_running, max_num_batched_tokens=settings.max_batched_tokens,
                           enable_prefix_caching=settings.prefix_caching,
                           priority_preemption=settings.priority_preemption, aging_steps=settings.aging_steps,
-                          fair_tokens=settings.fair_share == "tokens")
+                          fair_tokens=settings.fair_share == "tokens",
+                          speculation=SpeculationConfig(settings.draft_tokens(device), settings.spec_max_running))
     engine = LLMEngine.create(model, config, constraints=load_constraints(settings.model, model.config.vocab_size))
     logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)

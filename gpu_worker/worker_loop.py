@@ -183,6 +183,8 @@ class WorkerLoop:
         metrics.BATCH_TOKENS.observe(stats.last_batch_tokens)
         metrics.observe_roofline(stats.roofline)
         metrics.GENERATED.inc(new_tokens)
+        metrics.DRAFT_TOKENS.inc(sum(o.draft_tokens for o in outputs))
+        metrics.ACCEPTED_DRAFT_TOKENS.inc(sum(o.accepted_draft_tokens for o in outputs))
         metrics.TOKENS_PER_S.set(new_tokens / elapsed if elapsed > 0 else 0.0)
         return outputs
 

@@ -244,8 +244,8 @@ class BlockManager:
         return index < len(table) and self.blocks[table[index]].ref_count > 1
 
     def _missing(self, group: int, table: list[int], seq: Sequence) -> int:
-        """Entries `table` lacks for the next step of `seq`."""
-        return max(0, self._table_end(group, seq.num_computed_tokens, seq.num_tokens) - len(table))
+        """Entries `table` lacks for the next step of `seq` (its draft included)."""
+        return max(0, self._table_end(group, seq.num_computed_tokens, seq.num_tokens_with_draft) - len(table))
 
     def can_append(self, seq: Sequence) -> bool:
         needed = sum(self._missing(g, t, seq) + int(self._cow_needed(t, seq))

@@ -17,6 +17,7 @@ from gpu_worker.engine.constraint import ConstraintError, Constraints
 from gpu_worker.engine.sampler import Sampler
 from gpu_worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker.engine.sequence import FINISH_LENGTH, FINISH_STOP, Failure, SamplingParams, Sequence
+from gpu_worker.engine.speculation import PromptLookup, SpeculationConfig
 from gpu_worker.model.kv_cache import KVCache, kv_layout
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.roofline import RooflineMeter, RooflineStats, probe_bandwidth
@@ -36,6 +37,7 @@ class EngineConfig:
     priority_preemption: bool = True     # scheduler.py step 0
     aging_steps: int = 256               # starvation guard: waited steps per priority level
     fair_tokens: bool = True             # tenants share admission by tokens (VTC), else by requests
+    speculation: SpeculationConfig = SpeculationConfig()   # prompt-lookup drafts (speculation.py; off by default)
 
 
 @dataclass
@@ -45,6 +47,8 @@ class StepOutput:
     seq: Sequence
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    draft_tokens: int = 0               # drafted positions the step computed for it (speculation.py)
+    accepted_draft_tokens: int = 0      # ... whose token was the one sampled there
 
 
 @dataclass
@@ -54,6 +58,8 @@ class EngineCounters:
     prompt_tokens_computed: int = 0
     last_step_s: float = 0.0
     last_batch_tokens: int = 0
+    draft_tokens: int = 0                # drafted positions computed (speculation.py)
+    accepted_draft_tokens: int = 0       # ... whose token was the one sampled there
 
 
 class LLMEngine:
@@ -85,6 +91,7 @@ class LLMEngine:
         self.sampler = Sampler(constraints)
         self.counters = EngineCounters()
         self.roofline = RooflineMeter.for_model(model, kv_cache)
+        self.drafter = PromptLookup(config.speculation, self.context_length)
         self.deferred: list[Sequence] = []   # choices waiting for their leader's prompt (sequence.py)
 
     @classmethod
@@ -168,10 +175,12 @@ class LLMEngine:
         start = time.perf_counter()
         self._release_deferred()
         plan = self.scheduler.schedule()
+        if self.drafter.enabled:
+            self._add_drafts(plan)
         outputs = [self._out_of_memory(seq) for seq in plan.out_of_memory]
         if plan.is_empty:
             return outputs
-        logits = self._forward(plan)                                  # [num_seqs, vocab]
+        logits = self._forward(plan)                                  # [num_rows, vocab]
         read = self.roofline.step_bytes((item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_tokens)
                                         for item in plan.scheduled)  # the spans before _advance moves them
         outputs += self._advance(plan, logits)
@@ -181,27 +190,59 @@ class LLMEngine:
         self.roofline.record(read, self.counters.last_step_s)
         return outputs
 
+    def _add_drafts(self, plan: SchedulerOutput) -> None:
+        """Give the plan's decodes their drafts where the plan has room left (speculation.py)."""
+        decodes = [item.seq for item in plan.scheduled if item.num_tokens == 1 and item.completes_context]
+        self.scheduler.add_drafts(plan, self.drafter.propose(decodes, len(self.scheduler.running)))
+
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
         plan.scheduled, logits = self.runner.execute(plan.scheduled, self.block_manager, plan.copy_on_write)
         return logits                                                 # rows in plan.scheduled's order
 
     def _advance(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
         to_sample: list[tuple[int, Sequence]] = []
-        for row, item in enumerate(plan.scheduled):
-            done = item.completes_context
-            item.seq.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_computed_blocks(item.seq)
-            if done:
-                to_sample.append((row, item.seq))
+        row = 0
+        for item in plan.scheduled:
+            if item.num_logits > 1:
+                outputs.append(self._verify(item.seq, logits[row:row + item.num_logits]))
             else:
-                self.counters.prompt_tokens_computed += item.num_tokens
+                done = item.completes_context
+                item.seq.num_computed_tokens += item.num_tokens
+                self.block_manager.cache_computed_blocks(item.seq)
+                if done:
+                    to_sample.append((row, item.seq))
+                else:
+                    self.counters.prompt_tokens_computed += item.num_tokens
+            row += item.num_logits
         if not to_sample:
-            return []
-        if len(to_sample) < logits.shape[0]:  # only some rows finished their context: pick those
+            return outputs
+        if len(to_sample) < logits.shape[0]:  # only some rows are sampled together: pick those
             rows = torch.tensor([r for r, _ in to_sample], device=logits.device)
             logits = logits.index_select(0, rows)
         tokens = self.sampler(logits, [s for _, s in to_sample])
-        return [self._accept(seq, token) for (_, seq), token in zip(to_sample, tokens)]
+        return outputs + [self._accept(seq, token) for (_, seq), token in zip(to_sample, tokens)]
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> StepOutput:
+        """Sample a drafted step's positions in order, each as a decode step would, while the drafted
+        token there is the one drawn; the first draw that differs is kept instead (speculation.py).
+
+        Args:
+            seq: its last context token and draft were this step's input, one position a row.
+            logits: [positions, vocab].
+        """
+        draft, seq.draft_token_ids = seq.draft_token_ids, []
+        kept: list[int] = []
+        for position in range(logits.shape[0]):
+            seq.num_computed_tokens += 1               # as if a decode step computed just this input
+            self.block_manager.cache_computed_blocks(seq)
+            token = self.sampler(logits[position:position + 1], [seq])[0]
+            kept += self._accept(seq, token).new_token_ids
+            if seq.is_finished or position == len(draft) or token != draft[position]:
+                break
+        self.counters.draft_tokens += logits.shape[0] - 1
+        self.counters.accepted_draft_tokens += position
+        return StepOutput(seq, kept, seq.is_finished, logits.shape[0] - 1, position)
 
     def _accept(self, seq: Sequence, token: int) -> StepOutput:
         """Append a sampled token and apply the stop rules (a stop token itself is not emitted)."""
@@ -254,6 +295,7 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self.deferred),
             free_blocks=bm.num_free_blocks, total_blocks=self.config.num_blocks, kv_usage=bm.usage,
             steps=self.counters.steps, generated_tokens=self.counters.generated_tokens,
+            draft_tokens=self.counters.draft_tokens, accepted_draft_tokens=self.counters.accepted_draft_tokens,
             last_batch_tokens=self.counters.last_batch_tokens, preemptions=self.scheduler.num_preemptions,
             prefix_hit_rate=bm.stats.hit_rate,
             cached_prefix_hashes=tuple(bm.cached_hashes(prefix_hashes)) if prefix_hashes else (),
@@ -306,3 +348,5 @@ class EngineStats:
     roofline: RooflineStats = RooflineStats()  # bytes the steps read against their time and the probe
     preemptible_seqs: int = 0           # running below HIGH: what a HIGH arrival may preempt
     preemptible_blocks: int = 0         # the KV blocks those alone hold
+    draft_tokens: int = 0               # drafted positions computed (speculation.py) ...
+    accepted_draft_tokens: int = 0      # ... and how many of them were kept

@@ -64,8 +64,14 @@ class ScheduledSeq:
 
     @property
     def completes_context(self) -> bool:
-        """After this step every token is computed, so the step's logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        """After this step every token of the context is computed, so the step's logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens >= self.seq.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows the step gives this sequence: one a position when it verifies a draft
+        (engine/speculation.py), else its last token's."""
+        return self.num_tokens if self.seq.draft_token_ids else 1
 
 
 @dataclass
@@ -224,6 +230,27 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num))
             budget -= num
         return budget
+
+    # --- drafts --------------------------------------------------------------------------------
+    def add_drafts(self, out: SchedulerOutput, drafts: list[tuple[Sequence, list[int]]]) -> None:
+        """Extend planned decodes by their drafts (engine/speculation.py) with what the plan left: token
+        budget and free blocks after every running and admitted sequence had its share, so a draft
+        never preempts, delays or crowds out anyone. A draft that does not fit is cut or dropped."""
+        budget = self.config.max_num_batched_tokens - out.num_tokens
+        items = {id(item.seq): i for i, item in enumerate(out.scheduled)}
+        for seq, draft in drafts:
+            i = items.get(id(seq))
+            if i is None or budget <= 0 or out.scheduled[i].num_tokens != seq.num_uncomputed:
+                continue
+            seq.draft_token_ids = draft[:budget]
+            if not self.blocks.can_append(seq):
+                seq.draft_token_ids = []
+                continue
+            out.copy_on_write.extend(self.blocks.append_slot(seq).copy_on_write)
+            out.scheduled[i] = ScheduledSeq(seq, seq.num_uncomputed)
+            budget -= len(seq.draft_token_ids)
+            if self.config.fair_tokens:
+                self._charge(seq, len(seq.draft_token_ids))
 
     def _make_room(self, seq: Sequence, queue: list[Sequence], out: SchedulerOutput) -> bool:
         """Preempt the lowest, newest running sequences until `seq` can grow; False if `seq` itself went."""

@@ -117,6 +117,9 @@ class Sequence:
     # draw, taken by append_token (a stop token is sampled but never appended)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     sampled: TokenLogprobs | None = None
+    # tokens guessed to follow the context, computed by the next step with it and kept only where
+    # they equal what is sampled there (engine/speculation.py); never part of token_ids
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = [*self.prompt_token_ids, *self.prior_output_ids]
@@ -141,8 +144,20 @@ class Sequence:
         return len(self.prior_output_ids)
 
     @property
+    def num_tokens_with_draft(self) -> int:
+        return self.num_tokens + len(self.draft_token_ids)
+
+    @property
     def num_uncomputed(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Positions the next step may compute: the rest of the context, then the draft."""
+        return self.num_tokens_with_draft - self.num_computed_tokens
+
+    def tokens_in(self, start: int, end: int) -> list[int]:
+        """The token ids at positions [start, end), the draft continuing the context."""
+        tokens = self.token_ids[start:end]
+        if end > self.num_tokens:
+            tokens += self.draft_token_ids[max(0, start - self.num_tokens):end - self.num_tokens]
+        return tokens
 
     @property
     def deadline_ms(self) -> float:
@@ -177,3 +192,4 @@ class Sequence:
         """Preempted: KV is dropped, every token (prompt and output) is recomputed later."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.draft_token_ids = []

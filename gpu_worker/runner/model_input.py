@@ -2,10 +2,13 @@
 AttentionMetadata (gpu_worker/model/metadata.py), prefills first, then decodes.
 
     scheduled (prefills: q_len > 1, decodes: q_len == 1)
-      seq A computed 0, q 5     seq B computed 9, q 1     seq C computed 3, q 1
-    input_ids   [A0 A1 A2 A3 A4 | B9 | C3]
-    positions   [ 0  1  2  3  4 |  9 |  3]
-    logits_idx  [4, 5, 6]                  last token of each sequence, batch order
+      seq A computed 0, q 5     seq D computed 7, q 3 (draft d8 d9)     seq B computed 9, q 1
+    input_ids   [A0 A1 A2 A3 A4 | D7 d8 d9 | B9]
+    positions   [ 0  1  2  3  4 |  7  8  9 |  9]
+    logits_idx  [4, 5, 6, 7, 8]           last token of each sequence, every position of a
+                                          drafted one (engine/speculation.py), batch order
+
+A drafted sequence's chunk runs as a prefill chunk over its computed context.
 """
 
 from __future__ import annotations
@@ -64,9 +67,9 @@ def build_model_input(scheduled: list[ScheduledSeq], blocks: BlockManager,
     logits_indices: list[int] = []
     for item in batch:
         start, end = item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_tokens
-        ids += item.seq.token_ids[start:end]
+        ids += item.seq.tokens_in(start, end)
         positions += range(start, end)
-        logits_indices.append(len(ids) - 1)
+        logits_indices += range(len(ids) - item.num_logits, len(ids))
     prefills = [s for s in batch if s.num_tokens > 1]
     decodes = batch[len(prefills):]
     groups = [_group_tables(batch, prefills, decodes, blocks, g, device) for g in range(len(blocks.windows))]

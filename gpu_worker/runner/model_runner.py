@@ -6,7 +6,8 @@
             a captured CUDA graph        pure decodes of a captured batch size (cuda_graphs.py)
             every layer in one C call    CPU, int4 weights (cpu_step_layers.py)
             model(...)                   the model's layers over its backend's ops
-    ◀── logits [num_seqs, vocab] float32, rows in batch order
+    ◀── logits [num_rows, vocab] float32, rows in batch order: a sequence's last token, or every
+        position of a drafted one (ScheduledSeq.num_logits)
 
 Each path gives a sequence the same bits (tests/unit/test_cpu_step_layers.py, tests/gpu), so which
 one ran never shows in the output.
@@ -53,13 +54,13 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq], blocks: BlockManager,
                 copy_on_write: list[tuple[int, int]]) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """(the batch in logits-row order, logits [num_seqs, vocab]) of one step."""
+        """(the batch in logits-row order, logits [num_rows, vocab]) of one step."""
         self._copy_blocks(copy_on_write)
         inp = build_model_input(scheduled, blocks, self.device)
         return inp.batch, self.forward(inp.input_ids, inp.positions, inp.meta)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> logits [num_seqs, vocab] float32 (a graph replay's is a view
+        """input_ids, positions: [T] int64 -> logits [num_rows, vocab] float32 (a graph replay's is a view
         of the graph's output, valid until the next step)."""
         if self.decode_graphs is not None:
             return self.decode_graphs.run(input_ids, positions, meta)

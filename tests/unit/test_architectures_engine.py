@@ -12,6 +12,7 @@ from tiny_models import VOCAB, make_hf_dir, transformers_logits
 
 from gpu_worker.engine.engine import EngineConfig, LLMEngine
 from gpu_worker.engine.sequence import SamplingParams, Sequence
+from gpu_worker.engine.speculation import SpeculationConfig
 from gpu_worker.model.kv_cache import KVCache, KVLayout, kv_layout
 from gpu_worker.model.loader import load_model
 from gpu_worker.runner.cpu_step_layers import StepLayers
@@ -23,6 +24,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 # a cache that preempts yet fits the longest prompt: gemma3's blocks are pages of 1 of its 6 layers
 TIGHT_BLOCKS = {"gemma3": 30}
 WINDOW, BLOCK = 4, 4  # tiny_models' sliding_window; make_engine's block size
+OFF = SpeculationConfig()
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +43,11 @@ def model(request, checkpoints, tmp_path_factory):
     mp.undo()
 
 
-def make_engine(model, num_blocks: int = 64, budget: int = 512, caching: bool = True) -> LLMEngine:
+def make_engine(model, num_blocks: int = 64, budget: int = 512, caching: bool = True,
+                speculation: SpeculationConfig = OFF) -> LLMEngine:
     return LLMEngine.create(model, EngineConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8,
-                                                max_num_batched_tokens=budget, enable_prefix_caching=caching))
+                                                max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                                                speculation=speculation))
 
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
@@ -100,6 +104,20 @@ def test_preemption_and_handoff_resume_with_the_same_output(model):
     assert chunked.block_manager.num_free_blocks == tight_blocks
     if None in kv_layout(model.config).windows:
         assert chunked.scheduler.num_preemptions > 0
+
+
+def test_drafted_decoding_gives_the_same_output(model):
+    """Prompt-lookup drafts (gpu_worker/engine/speculation.py) verified as chunks over windowed
+    layers and soft caps: the same tokens, greedy and sampled, and a window group still holds
+    no more than its window and one step's chunk."""
+    every_token = list(range(3, VOCAB))       # with 1-grams looked up, every step has a draft
+    ps = [every_token + p for p in prompts(3, seed=6)]
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=9, max_new_tokens=10), GREEDY]
+    plain = [make_engine(model, num_blocks=256).generate([p], [sp])[0] for p, sp in zip(ps, params)]
+    drafting = make_engine(model, num_blocks=256, speculation=SpeculationConfig(num_tokens=4, min_ngram=1))
+    assert [drafting.generate([p], [sp])[0] for p, sp in zip(ps, params)] == plain
+    assert all(len(out) == 10 for out in plain) and drafting.counters.draft_tokens > 0
+    assert drafting.block_manager.num_free_blocks == 256
 
 
 def test_sliding_layers_hold_no_more_blocks_than_their_window(model):

@@ -169,3 +169,16 @@ def test_every_guidellm_run_of_a_bench_draws_its_own_prompts():
     runs = [(pass_number, run) for pass_number in (1, 2) for run in range(levels + 1)]  # run 0: the warm-up
     seeds = [openai_standard.prompt_seed(pass_number, run) for pass_number, run in runs]
     assert len(set(seeds)) == len(runs)
+
+
+def test_a_temperature_goes_to_every_request_and_into_the_heading():
+    args = openai_standard.parse_args(["--temperature", "0"])
+    assert openai_standard.sampling_extras(args) == ",extras.body.temperature=0.0"
+    assert openai_standard.sampling_extras(openai_standard.parse_args([])) == ""
+    built = openai_standard.run_record(args, [], {}, {}, None, [], datetime(2026, 12, 6, tzinfo=UTC))
+    assert built["workload"]["temperature"] == 0.0
+    greedy = record()
+    greedy["workload"]["temperature"] = 0.0
+    assert report.render_run("x.json", greedy).splitlines()[0].endswith("64 output tokens, greedy")
+    greedy["workload"]["temperature"] = 0.7
+    assert report.render_run("x.json", greedy).splitlines()[0].endswith("64 output tokens, temperature 0.7")

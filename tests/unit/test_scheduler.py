@@ -349,3 +349,27 @@ def test_request_round_robin_charges_one_per_admission():
     run_step(sched, sched.schedule())
     run_step(sched, sched.schedule())                 # a decode step admits nobody: no charge
     assert sched.served["t"] == 1.0
+
+
+def test_drafts_take_only_the_budget_and_blocks_the_plan_left():
+    sched = make_scheduler(num_blocks=4)
+    a, b = make_seq(4), make_seq(4, 100)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, sched.schedule())                 # 5 tokens each, 4 computed: a block each, 2 free
+    out = sched.schedule()                            # each decode takes its second block: none free
+    sched.add_drafts(out, [(a, [1, 2, 3, 4])])        # would need a third block for a
+    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 1)] and a.draft_token_ids == []
+    assert sched.num_preemptions == 0 and sched.blocks.num_free_blocks == 0
+
+    sched = make_scheduler(num_blocks=16, budget=5)
+    a, b = make_seq(2), make_seq(2, 100)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched, sched.schedule())                 # 3 tokens each, 2 computed
+    out = sched.schedule()
+    sched.add_drafts(out, [(a, [1, 2, 3, 4]), (b, [7])])  # 3 tokens of budget left: a's draft is cut
+    assert plan(out) == [(a.seq_id, 4), (b.seq_id, 1)] and a.draft_token_ids == [1, 2, 3]
+    assert out.scheduled[0].num_logits == 4 and out.scheduled[1].num_logits == 1
+    assert a.tokens_in(2, 6) == [a.token_ids[2], 1, 2, 3]
+    assert len(sched.blocks.block_table(a)) == 2      # position 5 opens a second block

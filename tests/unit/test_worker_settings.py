@@ -32,3 +32,14 @@ def test_scheduling_settings_reach_flags_and_env_and_are_checked():
     assert WorkerSettings.load([], env={}).aging_steps == 256
     with pytest.raises(SettingsError, match="aging_steps"):
         WorkerSettings.load(["--aging-steps", "0"], env={})
+
+
+def test_speculation_is_auto_by_device_and_checked():
+    auto = WorkerSettings.load([], env={})
+    assert (auto.draft_tokens("cpu"), auto.draft_tokens("cuda"), auto.spec_max_running) == (3, 0, 1)
+    assert WorkerSettings.load(["--spec-tokens", "0"], env={}).draft_tokens("cpu") == 0
+    assert WorkerSettings.load([], env={"LLMSERVE_SPEC_TOKENS": "5"}).draft_tokens("cuda") == 5
+    with pytest.raises(SettingsError, match="spec_tokens"):
+        WorkerSettings.load(["--spec-tokens", "17"], env={})
+    with pytest.raises(SettingsError, match="spec_max_running"):
+        WorkerSettings.load(["--spec-max-running", "0"], env={})
