@@ -10,9 +10,7 @@ running sequences and the torch profiler's table of the ops inside it (the C ker
 Each sequence has a prompt of --prompt-tokens (32); the steps timed are decodes after the prefill and
 5 warm-up steps. With several prompt lengths, each line also gives the attention's share of a step at
 that context: (step - the shortest context's step) / step, the part of the step that grew with the
-context (the C step runs attention inside its one call, so no profiler row shows it alone). That
-holds where both lengths run on the same threads: a one-sequence step over a context of
-LONG_CONTEXT (gpu_worker/runner/cpu_step_layers.py) or more takes every thread, a shorter one one.
+context (the C step runs attention inside its one call, so no profiler row shows it alone).
 """
 
 from __future__ import annotations

@@ -24,9 +24,6 @@ from gpu_worker.ops.cpu import block_linear, build, paged_attention, step_layers
 from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight
 
 NORMS = ("input_norm", "post_norm")
-# a step whose longest context is at least this runs on every thread even with one row: its attention,
-# cut by heads over the threads, is most of it (a one-sequence decode over 1,024 tokens: 56 %)
-LONG_CONTEXT = 512
 
 
 def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
@@ -70,14 +67,6 @@ class StepLayers:
         return (positions.dtype == torch.int64 and meta.slot_mapping.dtype == torch.int64
                 and kv_cache.dtype == torch.float32)
 
-    @staticmethod
-    def threads(rows: int, context_lens: torch.Tensor) -> int:
-        """The step's threads: the kernels' rule by rows (block_linear.threads_for), every thread over a
-        long context."""
-        if rows <= block_linear.SINGLE_THREAD_ROWS and int(context_lens.max()) >= LONG_CONTEXT:
-            return torch.get_num_threads()
-        return block_linear.threads_for(rows)
-
     def __call__(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """h: [T, H] embeddings of the step's tokens -> (last layer's output [T, H], its residual [T, H])."""
@@ -94,7 +83,7 @@ class StepLayers:
                 _pointers(kv_cache.k_caches), _pointers(kv_cache.v_caches),
                 positions.data_ptr(), slots.data_ptr(), self._cos_sin.data_ptr(), int(c.rope_interleaved),
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_cache.k_caches[0].shape[1],
-                c.head_dim**-0.5, c.rms_norm_eps, self.threads(h.shape[0], lens),
+                c.head_dim**-0.5, c.rms_norm_eps, block_linear.threads_for(h.shape[0]),
             )
         if rc != 0:
             raise MemoryError("cpu step layers: no memory for the step's scratch")

@@ -44,24 +44,6 @@ def test_a_sequence_gets_the_same_bits_in_any_batch():
         assert torch.equal(alone, batch[i:i + 1]), i
 
 
-@pytest.mark.parametrize("threads", [2, 3, 4])
-def test_heads_cut_over_threads_give_the_same_bits(threads):
-    """Fewer queries than threads: each query's heads are cut in runs over the threads (9 heads over 2
-    threads: 5 and 4, the middle KV head read by both); every head keeps its bits."""
-    q, k, v, tables, ctx = make_case(2, [700, 45], seed=6)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        whole = cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125)
-        torch.set_num_threads(threads)
-        for i in range(2):
-            cut = cpu_attention.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], ctx[i:i + 1], 0.125)
-            assert torch.equal(cut, whole[i:i + 1]), i
-        assert torch.equal(cpu_attention.paged_decode_attention(q, k, v, tables, ctx, 0.125), whole)
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_reads_only_the_blocks_of_the_table():
     """Poison every block no table names: the output must not change (and stay finite)."""
     q, k, v, tables, ctx = make_case(2, [30, 9], seed=5)

@@ -15,7 +15,7 @@ from gpu_worker.model.llama import LlamaModel
 from gpu_worker.ops.cpu import block_linear as cpu_block_linear
 from gpu_worker.ops.cpu import step_layers as cpu_step_layers
 from gpu_worker.ops.cpu.backend import CpuBackend
-from gpu_worker.runner.cpu_step_layers import LONG_CONTEXT, StepLayers
+from gpu_worker.runner.cpu_step_layers import StepLayers
 
 pytestmark = pytest.mark.skipif(cpu_step_layers.library() is None,
                                 reason="no C compiler (or no AVX2) to build the CPU kernels")
@@ -124,10 +124,3 @@ def test_models_it_does_not_apply_to_keep_the_python_path(case):
     else:
         model = make_model("none" if case == "fp32 weights" else "int8")
     assert StepLayers.build(model) is None
-
-
-def test_one_row_over_a_long_context_takes_every_thread():
-    every = torch.get_num_threads()
-    assert StepLayers.threads(1, torch.tensor([LONG_CONTEXT - 1], dtype=torch.int32)) == 1
-    assert StepLayers.threads(1, torch.tensor([LONG_CONTEXT], dtype=torch.int32)) == every
-    assert StepLayers.threads(4, torch.tensor([3, 9, 2, 5], dtype=torch.int32)) == every

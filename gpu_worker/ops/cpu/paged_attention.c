@@ -123,23 +123,22 @@ static inline __m256 sum_lanes8(const __m256 v[8]) {
 }
 #endif
 
-/* One query's heads [first_head, first_head + num_heads) over its context: scores, softmax, weighted
- * sum of V. K and V are each walked once, token by token, every head of the token at once, so the
- * cache lines of a block are read in order (a block's rows of all KV heads are contiguous) and a few
- * tokens ahead are prefetched across blocks and pages. Per head the arithmetic is a dot product per
- * token in context order, the max and the exponentials in that order, then the weighted rows of V
- * accumulated in that order: the same for every query whatever the batch holds, and whichever
- * heads share the call. */
+/* One query (all heads) over its context: scores, softmax, weighted sum of V. K and V are each
+ * walked once, token by token, every head of the token at once, so the cache lines of a block
+ * are read in order (a block's rows of all KV heads are contiguous) and a few tokens ahead are
+ * prefetched across blocks and pages. Per head the arithmetic is a dot product per token in
+ * context order, the max and the exponentials in that order, then the weighted rows of V
+ * accumulated in that order: the same for every query whatever the batch holds. */
 static inline __attribute__((always_inline)) void attend_seq_d(
-    const float *__restrict__ q,       /* [num_heads, D]: the query's heads from first_head */
+    const float *__restrict__ q,       /* [Hq, D] */
     const float *__restrict__ k_cache,  /* [num_blocks, bs, Hk, D] */
     const float *__restrict__ v_cache,  /* [num_blocks, bs, Hk, D] */
     const int32_t *__restrict__ table,  /* [max_blocks] this sequence's blocks */
-    int context_len, int first_head, int num_heads, int group, int num_kv_heads, const int head_dim,
-    int block_size, float scale,
-    float *__restrict__ scores, /* [num_heads, context_len] scratch */
-    float *__restrict__ acc,    /* [num_heads, D] scratch */
-    float *__restrict__ out /* [num_heads, D] */) {
+    int context_len, int num_heads, int num_kv_heads, const int head_dim, int block_size, float scale,
+    float *__restrict__ scores, /* [Hq, context_len] scratch */
+    float *__restrict__ acc,    /* [Hq, D] scratch */
+    float *__restrict__ out /* [Hq, D] */) {
+    const int group = num_heads / num_kv_heads;
     const long row_stride = (long)num_kv_heads * head_dim;
     float max_score[num_heads], sum[num_heads];
     /* scores[j, t] = q_j . k_t * scale, and their max per head */
@@ -157,7 +156,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
                 k[u] = walk_row(k_cache, table, t + u, context_len, block_size, row_stride);
             for (int j = 0; j < num_heads; j++) {
                 const float *qj = q + (long)j * head_dim;
-                const long at = (long)((first_head + j) / group) * head_dim;
+                const long at = (long)(j / group) * head_dim;
                 __m256 lanes[SCORE_TOKENS];
                 for (int u = 0; u < SCORE_TOKENS; u++) lanes[u] = dot_lanes(qj, k[u] + at, head_dim);
                 const __m256 s = _mm256_mul_ps(sum_lanes8(lanes), _mm256_set1_ps(scale));
@@ -176,7 +175,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     for (; t < context_len; t++) {
         const float *k = walk_row(k_cache, table, t, context_len, block_size, row_stride);
         for (int j = 0; j < num_heads; j++) {
-            const float s = row_dot(q + (long)j * head_dim, k + (long)((first_head + j) / group) * head_dim, head_dim) * scale;
+            const float s = row_dot(q + (long)j * head_dim, k + (long)(j / group) * head_dim, head_dim) * scale;
             scores[(long)j * context_len + t] = s;
             if (s > max_score[j]) max_score[j] = s;
         }
@@ -195,7 +194,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
                 v[u] = walk_row(v_cache, table, t + u, context_len, block_size, row_stride);
             for (int j = 0; j < num_heads; j++) {
                 const float *w = scores + (long)j * context_len + t;
-                const long at = (long)((first_head + j) / group) * head_dim;
+                const long at = (long)(j / group) * head_dim;
                 float *a = acc + (long)j * head_dim;
                 for (int i = 0; i < head_dim; i += 8) {
                     __m256 sum = _mm256_loadu_ps(a + i);
@@ -210,7 +209,7 @@ static inline __attribute__((always_inline)) void attend_seq_d(
     for (; t < context_len; t++) {
         const float *v = walk_row(v_cache, table, t, context_len, block_size, row_stride);
         for (int j = 0; j < num_heads; j++)
-            row_axpy(acc + (long)j * head_dim, v + (long)((first_head + j) / group) * head_dim, scores[(long)j * context_len + t],
+            row_axpy(acc + (long)j * head_dim, v + (long)(j / group) * head_dim, scores[(long)j * context_len + t],
                      head_dim);
     }
     for (int j = 0; j < num_heads; j++) {
@@ -221,20 +220,17 @@ static inline __attribute__((always_inline)) void attend_seq_d(
 
 /* The usual head size gets its own copy of the loop, with head_dim a constant. */
 static void attend_seq(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
-                       int context_len, int first_head, int num_heads, int group, int num_kv_heads, int head_dim,
-                       int block_size, float scale, float *scores, float *acc, float *out) {
+                       int context_len, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                       float *scores, float *acc, float *out) {
     if (head_dim == 64)
-        attend_seq_d(q, k_cache, v_cache, table, context_len, first_head, num_heads, group, num_kv_heads, 64,
-                     block_size, scale, scores, acc, out);
+        attend_seq_d(q, k_cache, v_cache, table, context_len, num_heads, num_kv_heads, 64, block_size, scale, scores,
+                     acc, out);
     else
-        attend_seq_d(q, k_cache, v_cache, table, context_len, first_head, num_heads, group, num_kv_heads, head_dim,
-                     block_size, scale, scores, acc, out);
+        attend_seq_d(q, k_cache, v_cache, table, context_len, num_heads, num_kv_heads, head_dim, block_size, scale,
+                     scores, acc, out);
 }
 
-/* Every query's heads over the threads: whole queries where there are at least as many queries as
- * threads, else each query's heads cut in as many runs as there are threads a query (one decoding
- * sequence still gets every thread: at a long context its attention is most of a step). A head's
- * arithmetic does not depend on the cut. Returns 0, or -1 when a scratch buffer cannot be allocated. */
+/* Returns 0, or -1 when a scratch buffer cannot be allocated. */
 int paged_decode_attention_f32(const float *__restrict__ q,            /* [B, Hq, D] */
                                const float *__restrict__ k_cache,      /* [num_blocks, bs, Hk, D] */
                                const float *__restrict__ v_cache,      /* [num_blocks, bs, Hk, D] */
@@ -246,28 +242,21 @@ int paged_decode_attention_f32(const float *__restrict__ q,            /* [B, Hq
     int max_len = 0;
     for (int b = 0; b < num_seqs; b++)
         if (context_lens[b] > max_len) max_len = context_lens[b];
-    const int cuts = num_seqs >= num_threads ? 1 : (num_threads + num_seqs - 1) / num_seqs;
-    const int run = (num_heads + cuts - 1) / cuts; /* heads a work item takes */
-    const int group = num_heads / num_kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        /* scratch: scores [run, max_len], then acc [run, D] */
-        float *scores = malloc(sizeof(float) * (size_t)run * ((max_len > 0 ? max_len : 1) + head_dim));
+        /* scratch: scores [Hq, max_len], then acc [Hq, D] */
+        float *scores = malloc(sizeof(float) * (size_t)num_heads * ((max_len > 0 ? max_len : 1) + head_dim));
         /* every thread reaches the worksharing loop, even one whose scratch failed */
-#pragma omp for schedule(dynamic, 1) /* a preempted thread's items go to the other threads */
-        for (int item = 0; item < num_seqs * cuts; item++) {
-            const int b = item / cuts, first = (item % cuts) * run;
-            const int heads = num_heads - first < run ? num_heads - first : run;
-            if (heads <= 0)
-                continue;
+#pragma omp for schedule(dynamic, 1) /* a preempted thread's sequences go to the other threads */
+        for (int b = 0; b < num_seqs; b++) {
             if (!scores) {
                 failed = 1;
                 continue;
             }
-            const long head0 = ((long)b * num_heads + first) * head_dim;
-            attend_seq(q + head0, k_cache, v_cache, block_tables + (long)b * max_blocks, context_lens[b], first, heads,
-                       group, num_kv_heads, head_dim, block_size, scale, scores, scores + (long)run * max_len,
+            const long head0 = (long)b * num_heads * head_dim;
+            attend_seq(q + head0, k_cache, v_cache, block_tables + (long)b * max_blocks, context_lens[b], num_heads,
+                       num_kv_heads, head_dim, block_size, scale, scores, scores + (long)num_heads * max_len,
                        out + head0);
         }
         free(scores);

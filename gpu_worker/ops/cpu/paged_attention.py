@@ -63,7 +63,7 @@ def paged_decode_attention(
         rc = lib.paged_decode_attention_f32(
             _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(tables), _ptr(lens), _ptr(out),
             num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], tables.shape[1],
-            scale, torch.get_num_threads(),  # fewer queries than threads: their heads are cut
+            scale, min(torch.get_num_threads(), num_seqs),  # a thread per sequence at most
         )
     if rc != 0:
         raise MemoryError(f"cpu paged attention: no memory for the scratch of {num_seqs} queries")

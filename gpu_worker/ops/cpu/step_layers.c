@@ -96,7 +96,8 @@ int step_layers_f32(int num_layers, int T, int H, int Hq, int Hk, int D, int I,
                    interleaved);
         write_kv_f32(k_rot, kv_size, qkv + q_size + kv_size, qkv_size, slots, k_caches[l], v_caches[l], T, kv_size);
         failed |= paged_decode_attention_f32(q_rot, k_caches[l], v_caches[l], block_tables, context_lens, attn, T,
-                                             Hq, Hk, D, block_size, max_blocks, scale, num_threads);
+                                             Hq, Hk, D, block_size, max_blocks, scale,
+                                             num_threads < T ? num_threads : T);
         failed |= weight_linear(&w[O], attn, hn, T, H, q_size, num_threads); /* hn: free again */
         float *next = residual == res[0] ? res[1] : res[0];
         rms_norm_f32(hn, H, residual, H, norm[POST_NORM], h, next, T, H, eps);
