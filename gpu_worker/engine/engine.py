@@ -268,13 +268,17 @@ class LLMEngine:
         return StepOutput(seq, [], finished=True)
 
     # --- offline use -----------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-        """Run prompts to completion together; the generated token ids of each."""
-        seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+    def run(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Add these sequences and step until no work is left; returns them, finished."""
         for seq in seqs:
             self.add(seq)
         while self.has_work():
             self.step()
+        return seqs
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion together; the generated token ids of each."""
+        seqs = self.run([Sequence(list(p), sp) for p, sp in zip(prompts, params)])
         return [seq.output_token_ids for seq in seqs]
 
     # --- what the engine tells its callers ---------------------------------------------------

@@ -40,12 +40,7 @@ def repetitive(n: int) -> list[list[int]]:
 
 
 def run(engine: LLMEngine, ps: list[list[int]], params: list[SamplingParams]) -> list[Sequence]:
-    seqs = [Sequence(list(p), sp) for p, sp in zip(ps, params)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
-    return seqs
+    return engine.run([Sequence(list(p), sp) for p, sp in zip(ps, params)])
 
 
 def test_greedy_output_is_the_same_and_drafts_are_kept_and_refused(model):

@@ -35,12 +35,7 @@ def _cache_dir(tmp_path, monkeypatch):
 def run(checkpoint, params: list[SamplingParams]) -> list[Sequence]:
     model = load_model(checkpoint, "cpu", dtype=torch.float32, prepack=False)
     engine = LLMEngine.create(model, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=8))
-    seqs = [Sequence(list(p), sp) for p, sp in zip(PROMPTS, params)]
-    for seq in seqs:
-        engine.add(seq)
-    while engine.has_work():
-        engine.step()
-    return seqs
+    return engine.run([Sequence(list(p), sp) for p, sp in zip(PROMPTS, params)])
 
 
 def offline(checkpoint, seq: Sequence, temperature: float) -> torch.Tensor:
