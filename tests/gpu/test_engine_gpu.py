@@ -173,6 +173,28 @@ def test_engine_with_decode_graphs_matches_eager_engine():
     assert graphed.generate(prompts, params) == eager
 
 
+def test_drafted_decoding_matches_plain_decoding_on_gpu():
+    """Prompt-lookup drafts (off by default on CUDA: unmeasured there) verified as chunks through the GPU
+    prefill path give the plain engine's greedy tokens, sequence by sequence."""
+    try:
+        from gpu_worker.engine.engine import EngineConfig, LLMEngine
+        from gpu_worker.engine.sequence import SamplingParams
+        from gpu_worker.engine.speculation import SpeculationConfig
+    except Exception:  # noqa: BLE001 - the GPU image's protobuf may not load our generated modules
+        pytest.skip("engine package does not import on this image (protobuf)")
+    prompts = [p * 3 for p in make_prompts()]             # repeated text to look up
+    model = make_model("cuda")
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)]
+
+    def engine(drafts: int) -> LLMEngine:
+        return LLMEngine.create(model, EngineConfig(num_blocks=256, block_size=BLOCK_SIZE, max_num_seqs=8,
+                                                    max_num_batched_tokens=512, enable_prefix_caching=False,
+                                                    speculation=SpeculationConfig(num_tokens=drafts, min_ngram=1)))
+    drafting = engine(4)
+    assert [drafting.generate([p], params)[0] for p in prompts] == [engine(0).generate([p], params)[0] for p in prompts]
+    assert drafting.counters.draft_tokens > 0
+
+
 def test_int8_weights_on_the_gpu_follow_the_cpu_int8_model():
     """--quantization int8 on CUDA (int8_gemv.cu for decode, dequantize + cuBLAS for prefill) against the
     same int8 weights dequantized on the CPU in fp32: the greedy tokens agree."""
