@@ -299,7 +299,6 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self.deferred),
             free_blocks=bm.num_free_blocks, total_blocks=self.config.num_blocks, kv_usage=bm.usage,
             steps=self.counters.steps, generated_tokens=self.counters.generated_tokens,
-            draft_tokens=self.counters.draft_tokens, accepted_draft_tokens=self.counters.accepted_draft_tokens,
             last_batch_tokens=self.counters.last_batch_tokens, preemptions=self.scheduler.num_preemptions,
             prefix_hit_rate=bm.stats.hit_rate,
             cached_prefix_hashes=tuple(bm.cached_hashes(prefix_hashes)) if prefix_hashes else (),
@@ -352,5 +351,3 @@ class EngineStats:
     roofline: RooflineStats = RooflineStats()  # bytes the steps read against their time and the probe
     preemptible_seqs: int = 0           # running below HIGH: what a HIGH arrival may preempt
     preemptible_blocks: int = 0         # the KV blocks those alone hold
-    draft_tokens: int = 0               # drafted positions computed (speculation.py) ...
-    accepted_draft_tokens: int = 0      # ... and how many of them were kept
