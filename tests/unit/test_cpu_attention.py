@@ -61,10 +61,10 @@ def test_other_dtypes_fall_back_to_the_reference():
     assert torch.equal(out, reference.paged_decode_attention(q, k, v, tables, ctx, 0.125))
 
 
-def prefill_case(chunks: list[int], contexts: list[int], seed: int):
+def prefill_case(chunks: list[int], contexts: list[int], seed: int, head_dim: int = 64):
     """One prefill chunk per sequence: chunk i ends at position contexts[i] - 1."""
-    _, k, v, tables, ctx = make_case(len(chunks), contexts, seed=seed)
-    q = torch.randn(sum(chunks) + 2, 9, 64, generator=torch.Generator().manual_seed(seed + 1))  # 2 padding rows
+    _, k, v, tables, ctx = make_case(len(chunks), contexts, head_dim=head_dim, seed=seed)
+    q = torch.randn(sum(chunks) + 2, 9, head_dim, generator=torch.Generator().manual_seed(seed + 1))  # 2 padding rows
     starts = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
     return q, k, v, tables, starts, ctx
 
@@ -77,11 +77,14 @@ def test_prefill_matches_the_reference(chunks, contexts):
     torch.testing.assert_close(out[:sum(chunks)], ref[:sum(chunks)], rtol=1e-5, atol=1e-5)
 
 
-def test_a_prefill_token_is_the_same_bits_as_that_token_decoded():
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_a_prefill_token_is_the_same_bits_as_that_token_decoded(head_dim):
     """Token i of a prefill chunk attends exactly as a decode step at its position would, so
-    chunking, a prefix hit and the step after a preemption all see the same bits."""
+    chunking, a prefix hit and the step after a preemption all see the same bits. A chunk's tokens
+    share their reads in tiles of 4 whose contexts straddle the vector paths' groups of 8 and 4 tokens
+    (head size 20: the scalar paths)."""
     chunks, contexts = [12, 30], [12, 47]
-    q, k, v, tables, starts, ctx = prefill_case(chunks, contexts, seed=8)
+    q, k, v, tables, starts, ctx = prefill_case(chunks, contexts, seed=8, head_dim=head_dim)
     out = cpu_attention.paged_prefill_attention(q, k, v, tables, starts, ctx, 0.125)
     for s, (lo, n, c) in enumerate(zip(starts.tolist(), chunks, contexts)):
         for i in range(n):

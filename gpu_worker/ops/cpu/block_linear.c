@@ -367,8 +367,9 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
              const uint16_t *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
-        ROWS q = {malloc(sizeof(*q.codes) * (size_t)M * pairs * PAIR),                                        \
-                       malloc(sizeof(float) * (size_t)M * pairs * 8), malloc(sizeof(float) * (size_t)M * pairs * 2)}; \
+        ROWS q = {aligned_alloc(64, sizeof(*q.codes) * (size_t)M * pairs * PAIR),                             \
+                  aligned_alloc(64, sizeof(float) * (size_t)M * pairs * 8),                                  \
+                  malloc(sizeof(float) * (size_t)M * pairs * 2)};                                            \
         if (!q.codes || !q.lane_scale || !q.scaled_sum) {                                                    \
             free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                           \
             return -1;                                                                                       \

@@ -195,8 +195,8 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
              const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,                                    \
              float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
-        ByteRows q = {malloc(sizeof(int8_t) * (size_t)M * pairs * PAIR),                                     \
-                      malloc(sizeof(float) * (size_t)M * pairs * 8), NULL};                                  \
+        ByteRows q = {aligned_alloc(64, sizeof(int8_t) * (size_t)M * pairs * PAIR),                          \
+                      aligned_alloc(64, sizeof(float) * (size_t)M * pairs * 8), NULL};                       \
         float *sums = malloc(sizeof(float) * (size_t)M * pairs * 4);                                         \
         q.scaled_sum = malloc(sizeof(float) * (size_t)M * pairs * 2);                                        \
         if (!q.codes || !q.lane_scale || !q.scaled_sum || !sums) {                                           \
