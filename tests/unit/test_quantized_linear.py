@@ -102,7 +102,7 @@ def test_q4_1_blocks_hold_a_q4_1_file_exactly_and_the_kernel_follows_fp32():
     nibbles = weight.codes.view(64, 4, 16)  # per block of 32, byte j: code j | code j+16 << 4
     codes = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()
     d = weight.scales.float()[..., None]
-    assert torch.equal((codes * d + weight.offsets.float()[..., None]).view(64, 128), w)
+    assert torch.equal((codes * d + weight.offsets.float().t()[..., None]).view(64, 128), w)
     x = torch.randn(5, 128, generator=gen)
     out, ref = Q4_1Weight(w)(x).double(), on_code_grid(x, 127) @ w.double().t()
     assert ((out - ref).norm() / ref.norm()) < 1e-6

@@ -10,8 +10,8 @@
  *   Q5_1: those 32 bytes of the low four bits, then 8 bytes of fifth bits: A's 4, then B's; byte c
  *         holds the bit of weights 8c..8c+7 at bits 0..7; w = code * d + m
  *   Q8_0: 64 bytes: the four 16-byte chunks [A 8c..8c+7, B 8c..8c+7] of int8 codes; w = code * d
- * Beside them, per row and block: d [N, 2P] fp16 and, for Q4_1 and Q5_1, m [N, 2P] fp16 (a GGUF
- * block's own scale and offset, exactly; Q4_0's m is -8 d).
+ * Beside them, per row and block: d [N, 2P] fp16 and, for Q4_1 and Q5_1, m [2P, N] fp16, a column a
+ * row (a GGUF block's own scale and offset, exactly; Q4_0's m is -8 d).
  *
  * Each call first quantizes its input rows in blocks of 32 (x ~ xcode * xd, xd = max |x| / code max)
  * into codes stored in the same pair order:
@@ -23,8 +23,9 @@
  *     16-bit codes (about 5 significant digits), widened weight codes and 16-bit multiply-adds: for
  *     signed weights, 8-bit input codes need a sign instruction a vector on top, and were no faster.
  * Either way a pair's products sum into int32 lanes 0-3 for block A and 4-7 for block B, scaled
- * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. Q4_1 and Q5_1 add the sum over
- * blocks of m * xd * sum(xcode), one short dot product per output.
+ * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. Q4_1 and Q5_1 then add the sum
+ * over blocks of m * xd * sum(xcode) in a pass of their own (add_offsets), 8 outputs a vector: as one
+ * short dot product per output after its sums it was a third of a linear's time.
  *
  * Blocking: a thread takes GROUP_ROWS weight rows (in L1 while it works on them) and sweeps the
  * input rows ROW_TILE at a time, so each loaded weight pair serves ROW_TILE rows from registers
@@ -109,18 +110,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* dot of n fp16 values (widened to fp32 exactly) with n fp32 ones in a fixed order: 8-lane fma
- * chunks, hsum, then the tail */
-static inline float dot_f16(const uint16_t *__restrict__ a, const float *__restrict__ b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i))), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s = fmaf(_cvtsh_ss(a[i]), b[i], s);
-    return s;
-}
-
 /* One block of 32 inputs (NULL: a padding block) -> codes c ~ v / d with |c| <= code_max, rounded
  * to nearest even (the default rounding mode's conversion, as nearbyintf); returns d (0 for an
  * all-zero block) and sets *sum to the sum of the codes. */
@@ -173,7 +162,7 @@ DEFINE_ROWS(ByteRows, int8_t)
                 int codes[BLOCK], sum;                                                                     \
                 const float d = quantize_block(b < blocks ? x + r * K + (long)b * BLOCK : NULL, MAX, codes, &sum); \
                 CODE *pair_codes = q.codes + (r * pairs + b / 2) * PAIR;                                   \
-                for (int i = 0; i < BLOCK; i++) pair_codes[PLACE(i, b % 2)] = (CODE)(codes[i] + SHIFT);   \
+                PLACE(pair_codes, b % 2, codes, SHIFT);                                                    \
                 float *lanes = q.lane_scale + (r * pairs + b / 2) * 8 + (b % 2) * 4;                       \
                 for (int i = 0; i < 4; i++) lanes[i] = d;                                                  \
                 q.scaled_sum[r * 2 * pairs + b] = d * (float)sum;                                          \
@@ -181,13 +170,32 @@ DEFINE_ROWS(ByteRows, int8_t)
         }                                                                                                  \
     }
 
-/* where weight i of block A (half 0) or B (half 1) sits in a pair: 16-bit codes in four chunks of
- * [A 8c..8c+7 | B 8c..8c+7], 8-bit ones in two vectors of [A 16v..16v+15 | B 16v..16v+15] */
-#define PLACE_WORDS(i, half) (((i) / 8) * 16 + (half) * 8 + (i) % 8)
-#define PLACE_BYTES(i, half) (((i) / 16) * 32 + (half) * 16 + (i) % 16)
+/* A block's codes (+ shift) into block A's (half 0) or B's (half 1) places of its pair: 16-bit codes in
+ * four chunks of [A 8c..8c+7 | B 8c..8c+7], 8-bit ones in two vectors of [A 16v..16v+15 | B 16v..16v+15]
+ * (the codes fit: saturating packs leave them as they are). */
+static inline void place_words(int16_t *__restrict__ pair, int half, const int codes[BLOCK], int shift) {
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(codes + 8 * c)), _mm256_set1_epi32(shift));
+        _mm_storeu_si128((__m128i *)(pair + c * 16 + half * 8),
+                         _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+    }
+}
 
-DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, PLACE_WORDS, 0)
-DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, PLACE_BYTES, 0)
+/* (shifted codes are 1..255, so unsigned bytes) */
+static inline void place_bytes(int8_t *__restrict__ pair, int half, const int codes[BLOCK], int shift) {
+    __m256i v[4];
+    for (int c = 0; c < 4; c++)
+        v[c] = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(codes + 8 * c)), _mm256_set1_epi32(shift));
+    const __m256i w01 = _mm256_packs_epi32(v[0], v[1]), w23 = _mm256_packs_epi32(v[2], v[3]);
+    /* per 128-bit lane, codes 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, 20-23, 28-31: put in order */
+    const __m256i bytes = _mm256_permutevar8x32_epi32(shift ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)(pair + half * 16), _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128((__m128i *)(pair + 32 + half * 16), _mm256_extracti128_si256(bytes, 1));
+}
+
+DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, place_words, 0)
+DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, place_bytes, 0)
 
 /* A weight pair widened to four vectors of 16 int16 codes (the layout above) and its lane
  * scales [d_A x4 | d_B x4] in fp32. */
@@ -272,13 +280,12 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 
 /* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one
  * weight row: its pairs as loaded (`unpacked`, where the caller unpacked them once for every row tile),
- * else its codes and d, loaded here; and for Q4_1 and Q5_1 its offsets m (else NULL). */
+ * else its codes and d, loaded here. */
 #define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
     static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int pairs,            \
                                                            const PAIR_T *__restrict__ unpacked,              \
                                                            const uint8_t *__restrict__ codes,                \
                                                            const uint16_t *__restrict__ d,                   \
-                                                           const uint16_t *__restrict__ offsets,             \
                                                            float *__restrict__ out, long N) {                \
         __m256 acc[ROW_TILE];                                                                                \
         for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();                                     \
@@ -295,14 +302,9 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
                 acc[r] = ACCUMULATE(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                 \
             }                                                                                                \
         }                                                                                                    \
-        /* the scales and offsets: 4 bytes a pair against the codes' 32 or 64 */                             \
+        /* the scales: 2 bytes a block against the codes' 16 or 32 */                                        \
         _mm_prefetch((const char *)d + PREFETCH_BYTES / 8, _MM_HINT_T0);                                     \
-        if (offsets) _mm_prefetch((const char *)offsets + PREFETCH_BYTES / 8, _MM_HINT_T0);                  \
-        for (int r = 0; r < rows; r++) {                                                                     \
-            float s = hsum(acc[r]);                                                                          \
-            if (offsets) s += dot_f16(offsets, q.scaled_sum + (row + r) * 2 * pairs, 2 * pairs);             \
-            out[r * N] = s;                                                                                  \
-        }                                                                                                    \
+        for (int r = 0; r < rows; r++) out[r * N] = hsum(acc[r]);                                            \
     }
 
 DEFINE_ROW_TILE(q4_1_tile, ByteRows, BytePair, load_q4_1, accumulate_bytes, Q4_1_PAIR_BYTES)
@@ -357,10 +359,52 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
 #define BLOCK_PAIR(LOAD, TILE, PAIR_BYTES, n, p)                                                           \
     LOAD(codes + ((long)(n) * pairs + (p)) * PAIR_BYTES, d + (long)(n) * 2 * pairs + 2 * (p))
 #define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, w, n, r, o)                                              \
-    TILE(q, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs,           \
-         offsets ? offsets + (long)(n) * 2 * pairs : NULL, o, N)
+    TILE(q, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
 
-/* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [N, 2P] fp16 (Q4_1, Q5_1) or NULL
+/* out[r, n] += the sum over blocks b, in order, of m[b, n] * xd * sum(xcode) of row r's block b, for
+ * `rows` (1 to ROW_TILE, a constant after inlining) rows from r: 8 outputs a vector, each vector of m
+ * widened once for all the rows; the outputs past the last whole vector one at a time, in the same
+ * order, so an output's sum is the same operations wherever it falls. */
+static inline __attribute__((always_inline)) void offset_rows(const float *__restrict__ scaled_sum,
+                                                              const uint16_t *__restrict__ offsets,
+                                                              float *__restrict__ out, long r, int rows, int N,
+                                                              int blocks) {
+    int n = 0;
+    for (; n + 8 <= N; n += 8) {
+        __m256 t[ROW_TILE];
+        for (int i = 0; i < rows; i++) t[i] = _mm256_setzero_ps();
+        for (int b = 0; b < blocks; b++) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n)));
+            for (int i = 0; i < rows; i++) t[i] = _mm256_fmadd_ps(_mm256_set1_ps(scaled_sum[(r + i) * blocks + b]), m, t[i]);
+        }
+        for (int i = 0; i < rows; i++) {
+            float *o = out + (r + i) * N + n;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), t[i]));
+        }
+    }
+    for (; n < N; n++)
+        for (int i = 0; i < rows; i++) {
+            float t = 0.f;
+            for (int b = 0; b < blocks; b++) t = fmaf(scaled_sum[(r + i) * blocks + b], _cvtsh_ss(offsets[(long)b * N + n]), t);
+            out[(r + i) * N + n] += t;
+        }
+}
+
+/* The offsets' pass over out [M, N]: scaled_sum [M, 2P], offsets [2P, N] fp16. */
+static void add_offsets(const float *__restrict__ scaled_sum, const uint16_t *__restrict__ offsets,
+                        float *__restrict__ out, int M, int N, int pairs, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * ROW_TILE)")
+    for (long r = 0; r < M; r += ROW_TILE) {
+        switch (M - r < ROW_TILE ? M - r : ROW_TILE) {
+        case 1: offset_rows(scaled_sum, offsets, out, r, 1, N, 2 * pairs); break;
+        case 2: offset_rows(scaled_sum, offsets, out, r, 2, N, 2 * pairs); break;
+        case 3: offset_rows(scaled_sum, offsets, out, r, 3, N, 2 * pairs); break;
+        default: offset_rows(scaled_sum, offsets, out, r, ROW_TILE, N, 2 * pairs);
+        }
+    }
+}
+
+/* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [2P, N] fp16 (Q4_1, Q5_1) or NULL
  * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's
  * unpacked pairs. */
 #define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_T, LOAD, PAIR_BYTES)                                \
@@ -376,6 +420,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
         }                                                                                                    \
         QUANTIZE(x, M, K, q, num_threads);                                                                   \
         SWEEP_GROUPS(PAIR_T, BLOCK_PAIR, BLOCK_TILE, LOAD, TILE, PAIR_BYTES)                                 \
+        if (offsets && !failed) add_offsets(q.scaled_sum, offsets, out, M, N, pairs, num_threads);          \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                               \
         return failed ? -1 : 0;                                                                              \
     }
@@ -389,7 +434,7 @@ DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, BytePair
  * at -128 * the sum of its weight codes, so it ends exactly at the 16-bit path's integer dot product
  * of 8-bit codes (at most 8 * 255 * 127 on the way). */
 #define Q8_0_CODE_MAX BYTE_CODE_MAX
-DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_shifted, BYTE_CODE_MAX, PLACE_BYTES, 128)
+DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_shifted, BYTE_CODE_MAX, place_bytes, 128)
 
 typedef struct {
     __m256i c[2];

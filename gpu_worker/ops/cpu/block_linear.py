@@ -3,7 +3,7 @@
 A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P * pair bytes]
 (Q4_1: 4-bit, 32 bytes a pair; Q5_1: 5-bit in a nibble and a bit plane, 40 bytes; Q8_0: int8, 64
 bytes; each in the order the kernel reads them), fp16 scales d [N, 2P] and, for Q4_1 and Q5_1, fp16
-offsets m [N, 2P]. They are read in place and multiplied as integers against 8-bit (Q4_1, Q5_1) or
+offsets m [2P, N] (a column a row: the kernel adds their terms 8 outputs at a time). They are read in place and multiplied as integers against 8-bit (Q4_1, Q5_1) or
 16-bit (Q8_0) codes of the activations. See the C file for the layout, for that choice and for why a
 row's output is the same bits for any number of rows and threads.
 """
@@ -45,8 +45,8 @@ def threads_for(rows: int) -> int:
 
 def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
-    """x: [M, K] fp32, codes: [N, P * pair bytes] uint8, scales: [N, 2P] fp16, offsets: [N, 2P] fp16
-    (q4_1) or None -> [M, N] fp32."""
+    """x: [M, K] fp32, codes: [N, P * pair bytes] uint8, scales: [N, 2P] fp16, offsets: [2P, N] fp16
+    (q4_1, q5_1) or None -> [M, N] fp32."""
     if not x.is_contiguous():
         x = x.contiguous()
     rows, in_features = x.shape
@@ -69,14 +69,20 @@ def _pad_to_pairs(t: torch.Tensor) -> torch.Tensor:
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # what `linear` takes: codes, scales, offsets
 
+OFFSET_DIM = 1  # the offsets' dimension of a weight's rows: joining weights' rows concatenates along it
+
 
 def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Packed:
-    """codes [N, G, 32] in 0..15, d and m [N, G] -> (codes [N, P * 32] uint8, d and m [N, 2P] fp16):
+    """codes [N, G, 32] in 0..15, d and m [N, G] -> (codes [N, P * 32] uint8, d [N, 2P] and m [2P, N] fp16):
     per pair, block A's 16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code bytes)."""
     codes = _pad_to_pairs(codes.to(torch.uint8))
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # [N, 2P, 16]
-    return (nibbles.flatten(1).contiguous(), _pad_to_pairs(d).to(torch.float16).contiguous(),
-            _pad_to_pairs(m).to(torch.float16).contiguous())
+    return nibbles.flatten(1).contiguous(), _pad_to_pairs(d).to(torch.float16).contiguous(), _offsets(m)
+
+
+def _offsets(m: torch.Tensor) -> torch.Tensor:
+    """m [N, G] -> [2P, N] fp16, the kernel's layout."""
+    return _pad_to_pairs(m).to(torch.float16).t().contiguous()
 
 
 def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> Packed:
@@ -112,7 +118,6 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 def pack_q5_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Packed:
     """codes [N, G, 32] in 0..31, d and m [N, G] -> (codes [N, P * 40] uint8: per pair the nibble plane,
-    then the bit plane, d and m [N, 2P] fp16)."""
+    then the bit plane, d [N, 2P] and m [2P, N] fp16)."""
     planes = pack_codes(codes.flatten(1).to(torch.uint8).numpy(), 5)
-    return (torch.from_numpy(planes), _pad_to_pairs(d).to(torch.float16).contiguous(),
-            _pad_to_pairs(m).to(torch.float16).contiguous())
+    return torch.from_numpy(planes), _pad_to_pairs(d).to(torch.float16).contiguous(), _offsets(m)

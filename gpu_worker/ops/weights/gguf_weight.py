@@ -107,7 +107,8 @@ def _joined(weights: list[BlockWeight]) -> BlockWeight | None:
     first = weights[0]
     if any(type(w) is not type(first) for w in weights):
         return None
-    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights if w.offsets is not None])
+    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights if w.offsets is not None],
+                                                             dim=block_linear.OFFSET_DIM)
     packed = (torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]), offsets)
     return type(first).from_packed(packed, sum(w.out_features for w in weights), first.in_features)
 

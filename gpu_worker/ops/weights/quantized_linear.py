@@ -137,7 +137,7 @@ class BlockWeight(QuantizedWeight):
         codes, scales, offsets = packed
         self.register_buffer("codes", codes)  # [N, P * pair bytes] uint8
         self.register_buffer("scales", scales)  # [N, 2P] fp16
-        self.register_buffer("offsets", offsets)  # [N, 2P] fp16 or None
+        self.register_buffer("offsets", offsets)  # [2P, N] fp16 or None
 
     @classmethod
     def from_packed(cls, packed: block_linear.Packed, out_features: int, in_features: int) -> BlockWeight:
