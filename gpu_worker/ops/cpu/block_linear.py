@@ -3,9 +3,10 @@
 A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P * pair bytes]
 (Q4_1: 4-bit, 32 bytes a pair; Q5_1: 5-bit in a nibble and a bit plane, 40 bytes; Q8_0: int8, 64
 bytes; each in the order the kernel reads them), fp16 scales d [N, 2P] and, for Q4_1 and Q5_1, fp16
-offsets m [2P, N] (a column a row: the kernel adds their terms 8 outputs at a time). They are read in place and multiplied as integers against 8-bit (Q4_1, Q5_1) or
-16-bit (Q8_0) codes of the activations. See the C file for the layout, for that choice and for why a
-row's output is the same bits for any number of rows and threads.
+offsets m [2P, N] (a column a row: the kernel adds their terms 8 outputs at a time). They are read
+in place and multiplied as integers against 8-bit (Q4_1, Q5_1) or 16-bit (Q8_0) codes of the
+activations. See the C file for the layout, for that choice and for why a row's output is the same
+bits for any number of rows and threads.
 """
 
 from __future__ import annotations
