@@ -79,9 +79,8 @@ def _build(source: Path, target: Path, isa: str) -> None:
 
 
 def _target(name: str, isa: str) -> Path:
-    """The built file, keyed by every kernel source and header (a kernel may #include another) and the flags."""
-    headers = sorted(Path(__file__).parent.glob("*.h"))
-    sources = b"".join(path.read_bytes() for path in [*_sources(), *headers])
+    """The built file, keyed by every kernel source (a kernel may #include another) and the flags."""
+    sources = b"".join(path.read_bytes() for path in _sources())
     digest = hashlib.sha256(sources + " ".join(_flags(isa) + LIBS).encode()).hexdigest()[:16]
     return model_store.cache_dir() / "cpu_kernels" / f"{name}-{isa}-{digest}.so"
 

@@ -11,8 +11,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vector_expf.h"
-
 /* out[t] = rms_norm(x[t] (+ residual[t])) * weight; with `residual`, also residual_out[t] = the sum.
  * x, residual, residual_out: [T, H] with row strides; out [T, H] contiguous. */
 void rms_norm_f32(const float *__restrict__ x, long x_stride, const float *__restrict__ residual, long residual_stride,
@@ -76,22 +74,12 @@ void write_kv_f32(const float *__restrict__ k, long k_stride, const float *__res
 
 /* out[t, i] = silu(x[t, i]) * x[t, I + i] for x [T, 2I] (gate | up) -> out [T, I]; silu(g) = g / (1 + e^-g).
  * The one threaded op here: a prefill chunk's MLP has T * I exponentials (a row per thread; the bits
- * do not depend on which). With libmvec the first I - I % 8 of a row take its 8-wide expf, the rest
- * libm's: which i goes which way depends on I alone. One libm call an element was 4 % of a prefill. */
+ * do not depend on which). */
 void silu_and_mul_f32(const float *__restrict__ x, int T, int I, float *__restrict__ out, int num_threads) {
 #pragma omp parallel for schedule(dynamic, 4) num_threads(num_threads) if (T > 1)
     for (int t = 0; t < T; t++) {
         const float *gate = x + (long)t * 2 * I, *up = gate + I;
         float *o = out + (long)t * I;
-        int i = 0;
-#ifdef LIBMVEC
-        for (; i + 8 <= I; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                                  _mm256_loadu_ps(up + i)));
-        }
-#endif
-        for (; i < I; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+        for (int i = 0; i < I; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
     }
 }

@@ -51,7 +51,11 @@ static inline const float *walk_row(const float *cache, const int32_t *table, in
     return token_row(cache, table, t, block_size, row_stride);
 }
 
-#include "vector_expf.h"
+#if defined(__AVX2__) && defined(__GLIBC__)
+#define LIBMVEC 1
+/* glibc's libmvec expf, 8 at a time (the AVX2 variant, named by the x86-64 vector function ABI) */
+__m256 _ZGVdN8v_expf(__m256 x);
+#endif
 
 /* w[t] = exp(w[t] - max) for t < n, and their sum. On AVX2 with glibc the first n - n % 8 go through
  * libmvec's vector expf into 8 partial sums (t mod 8) added in a fixed order, the rest through libm's
