@@ -24,8 +24,9 @@
  *     signed weights, 8-bit input codes need a sign instruction a vector on top, and were no faster.
  * Either way a pair's products sum into int32 lanes 0-3 for block A and 4-7 for block B, scaled
  * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. Q4_1 and Q5_1 then add the sum
- * over blocks of m * xd * sum(xcode) in a pass of their own (add_offsets), 8 outputs a vector: as one
- * short dot product per output after its sums it was a third of a linear's time.
+ * over blocks of m * xd * sum(xcode) in a pass of their own (add_offsets), 8 outputs a vector with
+ * each output's operations those of its own short dot product: computed one output at a time after
+ * its sums it was a third of a linear's time.
  *
  * Blocking: a thread takes GROUP_ROWS weight rows (in L1 while it works on them) and sweeps the
  * input rows ROW_TILE at a time, so each loaded weight pair serves ROW_TILE rows from registers
@@ -361,31 +362,40 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
 #define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, w, n, r, o)                                              \
     TILE(q, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
 
-/* out[r, n] += the sum over blocks b, in order, of m[b, n] * xd * sum(xcode) of row r's block b, for
- * `rows` (1 to ROW_TILE, a constant after inlining) rows from r: 8 outputs a vector, each vector of m
- * widened once for all the rows; the outputs past the last whole vector one at a time, in the same
- * order, so an output's sum is the same operations wherever it falls. */
+/* out[r, n] += the sum over blocks b of m[b, n] * xd * sum(xcode) of row r's block b, for `rows` (1 to
+ * ROW_TILE, a constant after inlining) rows from r, 8 outputs a vector, in the order of one output's
+ * 8-lane dot product: blocks below the last whole 8 fma'd into 8 partial sums by b mod 8, those added
+ * as hsum adds its lanes, then the rest one at a time. The outputs past the last whole vector take
+ * the same operations one at a time, so an output's sum is the same wherever it falls. */
 static inline __attribute__((always_inline)) void offset_rows(const float *__restrict__ scaled_sum,
                                                               const uint16_t *__restrict__ offsets,
                                                               float *__restrict__ out, long r, int rows, int N,
                                                               int blocks) {
+    const int whole = blocks - blocks % 8;
     int n = 0;
-    for (; n + 8 <= N; n += 8) {
-        __m256 t[ROW_TILE];
-        for (int i = 0; i < rows; i++) t[i] = _mm256_setzero_ps();
-        for (int b = 0; b < blocks; b++) {
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n)));
-            for (int i = 0; i < rows; i++) t[i] = _mm256_fmadd_ps(_mm256_set1_ps(scaled_sum[(r + i) * blocks + b]), m, t[i]);
-        }
+    for (; n + 8 <= N; n += 8)
         for (int i = 0; i < rows; i++) {
+            const float *ss = scaled_sum + (r + i) * blocks;
+            __m256 lane[8];
+            for (int l = 0; l < 8; l++) lane[l] = _mm256_setzero_ps();
+            for (int b = 0; b < whole; b++)
+                lane[b % 8] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
+                                              _mm256_set1_ps(ss[b]), lane[b % 8]);
+            __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane[0], lane[4]), _mm256_add_ps(lane[2], lane[6])),
+                                     _mm256_add_ps(_mm256_add_ps(lane[1], lane[5]), _mm256_add_ps(lane[3], lane[7])));
+            for (int b = whole; b < blocks; b++)
+                t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
+                                    _mm256_set1_ps(ss[b]), t);
             float *o = out + (r + i) * N + n;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), t[i]));
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), t));
         }
-    }
     for (; n < N; n++)
         for (int i = 0; i < rows; i++) {
-            float t = 0.f;
-            for (int b = 0; b < blocks; b++) t = fmaf(scaled_sum[(r + i) * blocks + b], _cvtsh_ss(offsets[(long)b * N + n]), t);
+            const float *ss = scaled_sum + (r + i) * blocks;
+            float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int b = 0; b < whole; b++) lane[b % 8] = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], lane[b % 8]);
+            float t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+            for (int b = whole; b < blocks; b++) t = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], t);
             out[(r + i) * N + n] += t;
         }
 }
