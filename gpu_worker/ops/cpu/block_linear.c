@@ -362,56 +362,42 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
 #define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, w, n, r, o)                                              \
     TILE(q, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
 
-/* out[r, n] += the sum over blocks b of m[b, n] * xd * sum(xcode) of row r's block b, for `rows` (1 to
- * ROW_TILE, a constant after inlining) rows from r, 8 outputs a vector, in the order of one output's
- * 8-lane dot product: blocks below the last whole 8 fma'd into 8 partial sums by b mod 8, those added
- * as hsum adds its lanes, then the rest one at a time. The outputs past the last whole vector take
- * the same operations one at a time, so an output's sum is the same wherever it falls. */
-static inline __attribute__((always_inline)) void offset_rows(const float *__restrict__ scaled_sum,
-                                                              const uint16_t *__restrict__ offsets,
-                                                              float *__restrict__ out, long r, int rows, int N,
-                                                              int blocks) {
+/* out[n] += the sum over blocks b of m[b, n] * ss[b] (one row's xd * sum(xcode) a block), 8 outputs a
+ * vector, in the order of one output's 8-lane dot product: blocks below the last whole 8 fma'd into 8
+ * partial sums by b mod 8, those added as hsum adds its lanes, then the rest one at a time. The
+ * outputs past the last whole vector take the same operations one at a time, so an output's sum is
+ * the same wherever it falls. */
+static void offset_row(const float *__restrict__ ss, const uint16_t *__restrict__ offsets, float *__restrict__ out,
+                       int N, int blocks) {
     const int whole = blocks - blocks % 8;
     int n = 0;
-    for (; n + 8 <= N; n += 8)
-        for (int i = 0; i < rows; i++) {
-            const float *ss = scaled_sum + (r + i) * blocks;
-            __m256 lane[8];
-            for (int l = 0; l < 8; l++) lane[l] = _mm256_setzero_ps();
-            for (int b = 0; b < whole; b++)
-                lane[b % 8] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
-                                              _mm256_set1_ps(ss[b]), lane[b % 8]);
-            __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane[0], lane[4]), _mm256_add_ps(lane[2], lane[6])),
-                                     _mm256_add_ps(_mm256_add_ps(lane[1], lane[5]), _mm256_add_ps(lane[3], lane[7])));
-            for (int b = whole; b < blocks; b++)
-                t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
-                                    _mm256_set1_ps(ss[b]), t);
-            float *o = out + (r + i) * N + n;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), t));
-        }
-    for (; n < N; n++)
-        for (int i = 0; i < rows; i++) {
-            const float *ss = scaled_sum + (r + i) * blocks;
-            float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int b = 0; b < whole; b++) lane[b % 8] = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], lane[b % 8]);
-            float t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-            for (int b = whole; b < blocks; b++) t = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], t);
-            out[(r + i) * N + n] += t;
-        }
+    for (; n + 8 <= N; n += 8) {
+        __m256 lane[8];
+        for (int l = 0; l < 8; l++) lane[l] = _mm256_setzero_ps();
+        for (int b = 0; b < whole; b++)
+            lane[b % 8] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
+                                          _mm256_set1_ps(ss[b]), lane[b % 8]);
+        __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane[0], lane[4]), _mm256_add_ps(lane[2], lane[6])),
+                                 _mm256_add_ps(_mm256_add_ps(lane[1], lane[5]), _mm256_add_ps(lane[3], lane[7])));
+        for (int b = whole; b < blocks; b++)
+            t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
+                                _mm256_set1_ps(ss[b]), t);
+        _mm256_storeu_ps(out + n, _mm256_add_ps(_mm256_loadu_ps(out + n), t));
+    }
+    for (; n < N; n++) {
+        float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int b = 0; b < whole; b++) lane[b % 8] = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], lane[b % 8]);
+        float t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+        for (int b = whole; b < blocks; b++) t = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], t);
+        out[n] += t;
+    }
 }
 
 /* The offsets' pass over out [M, N]: scaled_sum [M, 2P], offsets [2P, N] fp16. */
 static void add_offsets(const float *__restrict__ scaled_sum, const uint16_t *__restrict__ offsets,
                         float *__restrict__ out, int M, int N, int pairs, int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * ROW_TILE)")
-    for (long r = 0; r < M; r += ROW_TILE) {
-        switch (M - r < ROW_TILE ? M - r : ROW_TILE) {
-        case 1: offset_rows(scaled_sum, offsets, out, r, 1, N, 2 * pairs); break;
-        case 2: offset_rows(scaled_sum, offsets, out, r, 2, N, 2 * pairs); break;
-        case 3: offset_rows(scaled_sum, offsets, out, r, 3, N, 2 * pairs); break;
-        default: offset_rows(scaled_sum, offsets, out, r, ROW_TILE, N, 2 * pairs);
-        }
-    }
+    for (long r = 0; r < M; r++) offset_row(scaled_sum + r * 2 * pairs, offsets, out + r * N, N, 2 * pairs);
 }
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [2P, N] fp16 (Q4_1, Q5_1) or NULL
