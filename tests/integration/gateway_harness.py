@@ -11,6 +11,7 @@ import grpc
 import redis
 
 from llmserve.protocol import keys, queue
+from llmserve.runtime import redis_client
 from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import queue_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -62,8 +63,17 @@ class ScriptedWorker:
     active: int = 0
     peak: int = 0       # most requests of one tenant being served at once, worker side
 
-    async def run(self) -> None:
-        streams = {keys.work_stream(MODEL, p): "$" for p in keys.PRIORITY_ORDER}
+    async def start(self) -> asyncio.Task:
+        """Serves from each work stream's present end, positioned before this returns: XREAD's "$"
+        would miss an entry added before the first read or between two blocking reads."""
+        streams = {}
+        for priority in keys.PRIORITY_ORDER:
+            stream = keys.work_stream(MODEL, priority)
+            newest = await self.redis.xrevrange(stream, count=1)
+            streams[stream] = redis_client.text(newest[0][0]) if newest else "0-0"
+        return asyncio.create_task(self.run(streams))
+
+    async def run(self, streams: dict[str, str]) -> None:
         while True:
             try:
                 reply = await self.redis.xread(streams, block=200)

@@ -90,7 +90,7 @@ async def test_a_gateway_started_before_redis_waits_for_it(waiting_gateway):
         valkey.start()
         await asyncio.to_thread(gateway.wait_serving, time.monotonic() + 120)
         redis = redis_client.connect(valkey.url)
-        worker = asyncio.create_task(ScriptedWorker(redis, model_tokenizer.encode("Paris.")).run())
+        worker = await ScriptedWorker(redis, model_tokenizer.encode("Paris.")).start()
         try:
             chunks = await generate(target, "after-redis")
             assert chunks[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED

@@ -44,7 +44,7 @@ async def env(redis_url, smollm2_path, tmp_path_factory):
     e.gateways = [await start_gateway(e, 0)]         # the kernel picks the port; a restart reuses it
     e.port = e.gateways[0][1].port
     e.worker = ScriptedWorker(e.redis, e.mt.encode(ANSWER))
-    e.worker_task = asyncio.create_task(e.worker.run())
+    e.worker_task = await e.worker.start()
     e.target = f"127.0.0.1:{e.port}"
     yield e
     e.worker_task.cancel()

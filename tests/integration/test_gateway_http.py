@@ -62,7 +62,7 @@ async def env(smollm2_path, tmp_path_factory):
     await e.handle.set_serving(True)
     e.url = f"https://localhost:{e.service.http.port}"
     e.worker = ScriptedWorker(e.redis, e.model_tokenizer.encode(ANSWER))
-    e.worker_task = asyncio.create_task(e.worker.run())
+    e.worker_task = await e.worker.start()
     e.http = client(e, e.old_cert)
     yield e
     await e.http.aclose()
@@ -209,7 +209,7 @@ async def test_a_redis_outage_is_503_for_completions_and_streams_and_passes(env)
     assert failures("UNAVAILABLE") == before + 2
     assert (await env.http.get("/health")).status_code == 200
     env.valkey.start()
-    env.worker_task = asyncio.create_task(env.worker.run())
+    env.worker_task = await env.worker.start()
     for _ in range(5):    # a pooled connection from before the outage may fail once more: 503, retryable
         reply = await env.http.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
         if reply.status_code != 503:

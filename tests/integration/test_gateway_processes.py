@@ -60,7 +60,7 @@ async def cluster(redis_url, smollm2_path, tmp_path_factory):
         for gw in gateways:
             await asyncio.to_thread(gw.wait_serving, deadline)
         worker = ScriptedWorker(redis, load_tokenizer(smollm2_path).encode(ANSWER))
-        task = asyncio.create_task(worker.run())
+        task = await worker.start()
         yield gateways, worker, redis
         task.cancel()
     finally:

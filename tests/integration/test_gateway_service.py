@@ -71,7 +71,7 @@ async def env(redis_url, smollm2_path, tmp_path_factory):
     await e.handle.set_serving(True)
     e.target = f"127.0.0.1:{e.handle.port}"
     e.worker = ScriptedWorker(e.redis, e.model_tokenizer.encode(ANSWER))
-    e.worker_task = asyncio.create_task(e.worker.run())
+    e.worker_task = await e.worker.start()
     e.channel = grpc.aio.insecure_channel(e.target, options=[("grpc.max_send_message_length", 32 << 20)])
     e.stub = inference_pb2_grpc.InferenceStub(e.channel)
     yield e

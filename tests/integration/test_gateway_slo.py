@@ -5,8 +5,6 @@ refusal happens only for a tenant with shed_unmeetable, and goodput is counted."
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import httpx2 as httpx
 import pytest
@@ -59,7 +57,7 @@ async def env(redis_url, smollm2_path, tmp_path_factory):
     await e.service.start()
     await e.handle.set_serving(True)
     e.worker = ScriptedWorker(e.redis, tokenizer.encode(ANSWER))
-    e.worker_task = asyncio.create_task(e.worker.run())
+    e.worker_task = await e.worker.start()
     e.channel = grpc.aio.insecure_channel(f"127.0.0.1:{e.handle.port}")
     e.stub = inference_pb2_grpc.InferenceStub(e.channel)
     e.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{e.service.http.port}", timeout=30)
