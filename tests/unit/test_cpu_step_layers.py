@@ -13,6 +13,7 @@ from gpu_worker.engine.sequence import SamplingParams, Sequence
 from gpu_worker.model.config import ModelConfig
 from gpu_worker.model.llama import LlamaModel
 from gpu_worker.ops.cpu import block_linear as cpu_block_linear
+from gpu_worker.ops.cpu import build, kquant_linear, layer_ops, paged_attention, uniform
 from gpu_worker.ops.cpu import step_layers as cpu_step_layers
 from gpu_worker.ops.cpu.backend import CpuBackend
 from gpu_worker.runner.cpu_step_layers import StepLayers
@@ -82,6 +83,33 @@ def test_steps_give_the_python_paths_logits_bit_for_bit(monkeypatch, threads):
     assert calls == [3 + 9 + 17] + [3] * 9  # none more
     assert len(in_c) == len(in_python) == 10
     assert all(torch.equal(a, b) for a, b in zip(in_c, in_python))
+
+
+@pytest.mark.skipif(build.cpu_isa() == "avx2", reason="this CPU runs the AVX2 build only")
+def test_this_cpus_build_gives_the_avx2_builds_layers(monkeypatch):
+    """A model's output must not hang on which variant of the kernels a machine runs: the reductions
+    the compiler vectorizes (norms, attention's dot products) keep the AVX2 build's 8 lanes, so the
+    layers of a prefill step give the same bits (the head differs by design: its Q8_0 input codes
+    are 8-bit with VNNI, 16-bit without)."""
+    model = make_model()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 19)]
+    libraries = [module.library for module in (cpu_step_layers, cpu_block_linear, kquant_linear, layer_ops,
+                                               paged_attention, uniform)]
+    call = StepLayers.__call__
+    layers = {}
+    for isa in (build.cpu_isa(), "avx2"):
+        monkeypatch.setattr(build, "cpu_isa", lambda isa=isa: isa)
+        for library in libraries:
+            library.cache_clear()
+        seen = layers[isa] = []
+        monkeypatch.setattr(StepLayers, "__call__", lambda self, *a, seen=seen: seen.append(call(self, *a)) or seen[-1])
+        logits_of_every_step(model, prompts, in_c=True)
+    monkeypatch.undo()
+    for library in libraries:
+        library.cache_clear()  # the next test gets this CPU's build again
+    (out, residual), (avx2_out, avx2_residual) = (steps[0] for steps in layers.values())
+    assert out.shape[0] == 5 + 19 and torch.equal(out, avx2_out) and torch.equal(residual, avx2_residual)
 
 
 def test_chunked_prefills_prefix_hits_and_mixed_steps_give_the_python_paths_bits(monkeypatch, threads):

@@ -354,12 +354,13 @@ def test_a_q4_0_block_whose_offset_overflows_fp16_runs_as_q8_0():
 
 
 @needs_kquant_kernel
-@pytest.mark.skipif(cpu_kernels.cpu_isa() == "avx2", reason="this CPU has no VNNI, so runs the AVX2 build only")
-@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q4_1, gguf_blocks.T.Q5_1, gguf_blocks.T.Q4_K, gguf_blocks.T.Q6_K],
-                         ids=lambda t: t.name)
-def test_the_vnni_build_gives_the_bits_of_the_avx2_build(ggml_type, monkeypatch):
-    """VNNI fuses the integer multiply-adds, not their sums: each kind on 8-bit input codes gives the same
-    bits (Q8_0 takes 8-bit codes with VNNI, 16-bit without, so differs)."""
+@pytest.mark.skipif(cpu_kernels.cpu_isa() == "avx2", reason="this CPU runs the AVX2 build only")
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q4_1, gguf_blocks.T.Q5_1, gguf_blocks.T.Q3_K, gguf_blocks.T.Q4_K,
+                                       gguf_blocks.T.Q5_K, gguf_blocks.T.Q6_K], ids=lambda t: t.name)
+def test_this_cpus_build_gives_the_bits_of_the_avx2_build(ggml_type, monkeypatch):
+    """VNNI fuses the integer multiply-adds, not their sums, and AVX-512 masks place the same bits of a
+    Q3/Q5 code: each kind on 8-bit input codes gives the same bits (Q8_0 takes 8-bit codes with VNNI,
+    16-bit without, so differs)."""
     weight = gguf_weight.cpu_weight([file_tensor(ggml_type, 96, 768, seed=7)])
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(7))
     outs = {}

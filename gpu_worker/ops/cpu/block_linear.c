@@ -227,9 +227,23 @@ static inline void nibble_bytes(const uint8_t *p, __m256i *lo, __m256i *hi) {
     *lo = _mm256_and_si256(raw, low4), *hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
 }
 
-/* The bit plane as byte codes laid out as nibble_bytes' (1 << at where the bit is set, else 0): each lane
- * broadcasts its block's 4 bytes, byte c spread over the 8 bytes of weights 8c..8c+7, one bit each. */
-static inline void bit_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
+/* The bit plane joined to byte codes laid out as nibble_bytes' (1 << at added where the bit is set;
+ * that bit of the codes is clear). The plane's 8 bytes are A's 4, then B's; byte c holds the bits of
+ * weights 8c..8c+7, so bit j of each block's 32 is weight j. */
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* AVX-512: the bits of lo's weights (A 0-15, B 0-15) and of hi's (A 16-31, B 16-31) are each a byte
+ * mask, gathered by one pext */
+static inline void join_bits(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
+    uint64_t plane;
+    __builtin_memcpy(&plane, p, 8);
+    const __m256i value = _mm256_set1_epi8((char)(1 << at));
+    *lo = _mm256_mask_add_epi8(*lo, (__mmask32)_pext_u64(plane, 0x0000FFFF0000FFFFULL), *lo, value);
+    *hi = _mm256_mask_add_epi8(*hi, (__mmask32)_pext_u64(plane, 0xFFFF0000FFFF0000ULL), *hi, value);
+}
+#else
+/* AVX2: each lane broadcasts its block's 4 bytes, byte c spread over the 8 bytes of weights
+ * 8c..8c+7, one bit each */
+static inline void join_bits(const uint8_t *p, int at, __m256i *lo, __m256i *hi) {
     const __m128i ab = _mm_loadl_epi64((const __m128i *)p); /* A's 4 bytes, B's 4 */
     const __m256i t = _mm256_permutevar8x32_epi32(_mm256_castsi128_si256(ab),
                                                   _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* [A x4 | B x4] */
@@ -240,9 +254,10 @@ static inline void bit_bytes(const uint8_t *p, int at, __m256i *lo, __m256i *hi)
     const __m256i c23 = _mm256_add_epi8(c01, _mm256_set1_epi8(2));
     const __m256i b01 = _mm256_and_si256(_mm256_shuffle_epi8(t, c01), bit);
     const __m256i b23 = _mm256_and_si256(_mm256_shuffle_epi8(t, c23), bit);
-    *lo = _mm256_and_si256(_mm256_cmpeq_epi8(b01, bit), value);
-    *hi = _mm256_and_si256(_mm256_cmpeq_epi8(b23, bit), value);
+    *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(b01, bit), value));
+    *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(b23, bit), value));
 }
+#endif
 
 static inline BytePair load_q4_1(const uint8_t *codes, const uint16_t *d) {
     BytePair p;
@@ -253,10 +268,11 @@ static inline BytePair load_q4_1(const uint8_t *codes, const uint16_t *d) {
 
 /* the fifth bits join the nibbles as bytes */
 static inline BytePair load_q5_1(const uint8_t *codes, const uint16_t *d) {
-    __m256i lo, hi, bit_lo, bit_hi;
-    nibble_bytes(codes, &lo, &hi);
-    bit_bytes(codes + 32, 4, &bit_lo, &bit_hi);
-    return (BytePair){{_mm256_or_si256(lo, bit_lo), _mm256_or_si256(hi, bit_hi)}, lane_scales(d)};
+    BytePair p;
+    nibble_bytes(codes, &p.c[0], &p.c[1]);
+    join_bits(codes + 32, 4, &p.c[0], &p.c[1]);
+    p.d = lane_scales(d);
+    return p;
 }
 
 /* acc += (w . x) * [d xd] for one pair of one input row's 16-bit codes. Every partial integer sum is

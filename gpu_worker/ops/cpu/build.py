@@ -3,9 +3,9 @@
 Each kernel is one C file beside this module (`*.c`; one may #include another), compiled with
 the system C compiler (`cc`, OpenMP) into `<cache_dir>/cpu_kernels/`, keyed by a hash of all the
 sources and the flags; no torch headers, so a build takes about a second. On x86-64 the target
-is x86-64-v3 (AVX2, FMA, F16C), not the build machine's own CPU, plus one instruction set
-extension at most (ISAS): the VNNI integer dot products, which the kernels use where the compiler
-defines them. `load` takes the variant this CPU runs (`cpu_isa`, from /proc/cpuinfo's flags);
+is x86-64-v3 (AVX2, FMA, F16C), not the build machine's own CPU, plus the extensions of one
+variant at most (ISAS): the VNNI integer dot products and AVX-512's byte masks, which the kernels
+use where the compiler defines them. `load` takes the variant this CPU runs (`cpu_isa`, from /proc/cpuinfo's flags);
 `python -m gpu_worker.ops.cpu.build`, as the container image runs at build time, builds every
 variant, so the image serves any AVX2 machine without a compiler. A CPU without AVX2 gets none of
 them. Where there is no compiler and no prebuilt file, or a file does not build for this CPU,
@@ -37,10 +37,12 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno"]
 # the variants of x86-64-v3, best first: each named by the /proc/cpuinfo flags it needs, and its flags.
-# AVX-VNNI's dot products are 256 bits wide and VEX encoded, as the AVX2 code around them; a CPU with
-# only the AVX-512 form (Zen 4, Ice Lake) takes that in 256-bit registers.
-ISAS = {"avxvnni": (("avx_vnni",), ["-mavxvnni"]),
-        "avx512vnni": (("avx512_vnni", "avx512vl"), ["-mavx512vnni", "-mavx512vl"]),
+# The kernels keep 256-bit registers everywhere: a CPU with AVX-512 (Zen 4, Ice Lake, Sapphire Rapids)
+# takes its VNNI dot products in that width and its byte masks (a Q5 weight's fifth bits, one pext and
+# one masked add a vector against ten AVX2 operations); AVX-VNNI (Alder Lake) is the VEX form alone.
+ISAS = {"avx512": (("avx512_vnni", "avx512vl", "avx512bw"), ["-mavx512vnni", "-mavx512vl", "-mavx512bw",
+                                                              "-mprefer-vector-width=256"]),
+        "avxvnni": (("avx_vnni",), ["-mavxvnni"]),
         "avx2": ((), [])} if _X86 else {"native": ((), [])}
 # libm, and on x86-64 glibc its vector math library (paged_attention.c's softmax calls libmvec's expf)
 LIBS = ["-lm", "-lmvec"] if _X86 and platform.libc_ver()[0] == "glibc" else ["-lm"]

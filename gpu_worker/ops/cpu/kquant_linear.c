@@ -47,10 +47,8 @@ static inline void nibble_plane(const uint8_t *p, __m256i v[2]) {
 
 /* 5-bit codes: the fifth bit joins the nibbles */
 static inline void nibble_bit_planes(const uint8_t *p, __m256i v[2]) {
-    __m256i bit_lo, bit_hi;
     nibble_bytes(p, &v[0], &v[1]);
-    bit_bytes(p + 32, 4, &bit_lo, &bit_hi);
-    v[0] = _mm256_or_si256(v[0], bit_lo), v[1] = _mm256_or_si256(v[1], bit_hi);
+    join_bits(p + 32, 4, &v[0], &v[1]);
 }
 
 /* The crumb plane as byte codes laid out as nibble_bytes', each crumb at bit `at` (0 or 4): each lane
@@ -70,10 +68,8 @@ static inline void crumb_planes(const uint8_t *p, __m256i v[2]) {
 
 /* 3-bit codes: the bits join the crumbs (at bit 2) */
 static inline void crumb_bit_planes(const uint8_t *p, __m256i v[2]) {
-    __m256i bit_lo, bit_hi;
     crumb_bytes(p, 0, &v[0], &v[1]);
-    bit_bytes(p + 16, 2, &bit_lo, &bit_hi);
-    v[0] = _mm256_or_si256(v[0], bit_lo), v[1] = _mm256_or_si256(v[1], bit_hi);
+    join_bits(p + 16, 2, &v[0], &v[1]);
 }
 
 /* 6-bit codes: the crumbs join the nibbles (at bit 4) */
