@@ -30,7 +30,8 @@
  *
  * Blocking: a thread takes GROUP_ROWS weight rows (in L1 while it works on them) and sweeps the
  * input rows ROW_TILE at a time, so each loaded weight pair serves ROW_TILE rows from registers
- * and each tile of input codes serves GROUP_ROWS weight rows from L1.
+ * and each tile of input codes serves GROUP_ROWS weight rows from L1; in a prefill, each load of a
+ * row's codes serves WEIGHT_TILE weight rows.
  *
  * out[r, n] is computed by one thread with the same sequence of operations whatever M, the row
  * tile it falls in, the thread count or which thread takes it: a row's codes depend only on that
@@ -52,6 +53,20 @@
 #error "block_linear.c needs AVX2, FMA and F16C"
 #endif
 
+/* build.py's avx512 variant defines LINEARS_AVX512: the linears here and in kquant_linear.c take
+ * AVX-512 (VNNI, byte masks, 32 registers) in 256-bit vectors, each file in a region of its own; the
+ * rest of the build stays AVX2, as paged_attention.c ran 1.6x slower compiled for AVX-512. */
+#ifdef LINEARS_AVX512
+#define LINEARS_BEGIN                                                                                      \
+    _Pragma("GCC push_options")                                                                            \
+    _Pragma("GCC target(\"avx512f,avx512vl,avx512bw,avx512vnni,prefer-vector-width=256\")")
+#define LINEARS_END _Pragma("GCC pop_options")
+#else
+#define LINEARS_BEGIN
+#define LINEARS_END
+#endif
+LINEARS_BEGIN
+
 #define BLOCK 32
 #define PAIR 64         /* weights per pair of blocks */
 #define Q4_1_PAIR_BYTES 32
@@ -59,6 +74,14 @@
 #define Q8_0_PAIR_BYTES 64
 #define ROW_TILE 4      /* input rows sharing one widened weight pair (the calls below name 1-3) */
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
+/* weight rows sharing each load of an input row's codes in a prefill tile: 3 where AVX-512 gives 32
+ * vector registers for their 3 x ROW_TILE accumulators and pairs (2 and 4 were a little slower),
+ * else 1 */
+#if defined(__AVX512VL__)
+#define WEIGHT_TILE 3
+#else
+#define WEIGHT_TILE 1
+#endif
 #define CODE_MAX 32767  /* 16-bit activation codes */
 #define BYTE_CODE_MAX 127 /* 8-bit activation codes */
 /* How far ahead of the pair in hand a thread asks for its weights. The hardware prefetchers stop
@@ -295,33 +318,38 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
 }
 
-/* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one
- * weight row: its pairs as loaded (`unpacked`, where the caller unpacked them once for every row tile),
- * else its codes and d, loaded here. */
+/* out[r * N + j] for `rows` (1 to ROW_TILE) input rows from `row` and `wrows` (1 to WEIGHT_TILE) weight
+ * rows from the one given, both constants after inlining: their pairs as loaded (`unpacked`, row j's from
+ * unpacked + j * pairs, where the caller unpacked them once for every row tile), else (one weight row)
+ * its codes and d, loaded here. Each output keeps its own accumulator, so its operations do not depend
+ * on the tile it falls in. */
 #define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
-    static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int pairs,            \
+    static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int wrows, int pairs, \
                                                            const PAIR_T *__restrict__ unpacked,              \
                                                            const uint8_t *__restrict__ codes,                \
                                                            const uint16_t *__restrict__ d,                   \
                                                            float *__restrict__ out, long N) {                \
-        __m256 acc[ROW_TILE];                                                                                \
-        for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps();                                     \
+        __m256 acc[WEIGHT_TILE][ROW_TILE];                                                                   \
+        for (int j = 0; j < WEIGHT_TILE; j++)                                                                \
+            for (int r = 0; r < ROW_TILE; r++) acc[j][r] = _mm256_setzero_ps();                              \
         for (int p = 0; p < pairs; p++) {                                                                    \
-            PAIR_T w;                                                                                        \
+            PAIR_T w[WEIGHT_TILE];                                                                           \
             if (unpacked) {                                                                                  \
-                w = unpacked[p];                                                                             \
+                for (int j = 0; j < wrows; j++) w[j] = unpacked[(long)j * pairs + p];                        \
             } else {                                                                                         \
                 _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);   \
-                w = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                           \
+                w[0] = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                        \
             }                                                                                                \
             for (int r = 0; r < rows; r++) {                                                                 \
                 const long xp = (row + r) * pairs + p;                                                       \
-                acc[r] = ACCUMULATE(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                 \
+                for (int j = 0; j < wrows; j++)                                                              \
+                    acc[j][r] = ACCUMULATE(acc[j][r], &w[j], q.codes + xp * PAIR, q.lane_scale + xp * 8);    \
             }                                                                                                \
         }                                                                                                    \
         /* the scales: 2 bytes a block against the codes' 16 or 32 */                                        \
         _mm_prefetch((const char *)d + PREFETCH_BYTES / 8, _MM_HINT_T0);                                     \
-        for (int r = 0; r < rows; r++) out[r * N] = hsum(acc[r]);                                            \
+        for (int r = 0; r < rows; r++)                                                                       \
+            for (int j = 0; j < wrows; j++) out[r * N + j] = hsum(acc[j][r]);                                \
     }
 
 DEFINE_ROW_TILE(q4_1_tile, ByteRows, BytePair, load_q4_1, accumulate_bytes, Q4_1_PAIR_BYTES)
@@ -332,10 +360,11 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
  * thread unpacks its group's weight pairs once (GROUP_ROWS x P of them, in L1 or L2) for all its
  * row tiles: the same pairs, so the same bits, as unpacking them for every row tile, which a prefill
  * chunk did M / ROW_TILE times. UNPACK(A, B, C, n, p) gives row n's pair p as PAIR_T, CALL(A, B, C,
- * rows, w, n, r, o) runs the tile of `rows` input rows from r against row n (w: its unpacked pairs or
- * NULL) into o; A, B, C are the kind's own (its loader, tile, pair bytes). Leaves `failed` set where
- * a thread had no memory for its pairs. */
-#define SWEEP_GROUPS(PAIR_T, UNPACK, CALL, A, B, C)                                                        \
+ * rows, wrows, w, n, r, o) runs the tile of `rows` input rows from r against `wrows` weight rows from
+ * n (w: their unpacked pairs or NULL) into o; A, B, C are the kind's own (its loader, tile, pair bytes).
+ * Unpacked weight rows go WEIGHTS at a time (the group's last few one by one). Leaves `failed` set
+ * where a thread had no memory for its pairs. */
+#define SWEEP_GROUPS(PAIR_T, UNPACK, CALL, A, B, C, WEIGHTS)                                               \
     const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
     int failed = 0;                                                                                      \
     _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                                \
@@ -356,16 +385,28 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
                 for (int n = n0; n < n1; n++)                                                            \
                     for (int p = 0; p < pairs; p++) group_pairs[(n - n0) * pairs + p] = UNPACK(A, B, C, n, p); \
             for (int r = 0; r < M; r += ROW_TILE) {                                                      \
-                for (int n = n0; n < n1; n++) {                                                          \
+                const int rows = M - r < ROW_TILE ? M - r : ROW_TILE;                                    \
+                for (int n = n0; n < n1;) {                                                              \
                     const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
                     float *o = out + (long)r * N + n;                                                    \
-                    /* a constant row count per call keeps the tile in registers */                      \
-                    switch (M - r < ROW_TILE ? M - r : ROW_TILE) {                                       \
-                    case 1: CALL(A, B, C, 1, w, n, r, o); break;                                         \
-                    case 2: CALL(A, B, C, 2, w, n, r, o); break;                                         \
-                    case 3: CALL(A, B, C, 3, w, n, r, o); break;                                         \
-                    default: CALL(A, B, C, ROW_TILE, w, n, r, o);                                        \
+                    /* constant row counts per call keep the tile in registers */                        \
+                    if (unpack && WEIGHTS > 1 && n + WEIGHTS <= n1) {                                          \
+                        switch (rows) {                                                                  \
+                        case 1: CALL(A, B, C, 1, WEIGHTS, w, n, r, o); break;                                  \
+                        case 2: CALL(A, B, C, 2, WEIGHTS, w, n, r, o); break;                                  \
+                        case 3: CALL(A, B, C, 3, WEIGHTS, w, n, r, o); break;                                  \
+                        default: CALL(A, B, C, ROW_TILE, WEIGHTS, w, n, r, o);                                 \
+                        }                                                                                \
+                        n += WEIGHTS;                                                                    \
+                        continue;                                                                        \
                     }                                                                                    \
+                    switch (rows) {                                                                      \
+                    case 1: CALL(A, B, C, 1, 1, w, n, r, o); break;                                      \
+                    case 2: CALL(A, B, C, 2, 1, w, n, r, o); break;                                      \
+                    case 3: CALL(A, B, C, 3, 1, w, n, r, o); break;                                      \
+                    default: CALL(A, B, C, ROW_TILE, 1, w, n, r, o);                                     \
+                    }                                                                                    \
+                    n++;                                                                                 \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
@@ -375,8 +416,8 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
 /* a block weight's pair p of row n, and its tile against row n */
 #define BLOCK_PAIR(LOAD, TILE, PAIR_BYTES, n, p)                                                           \
     LOAD(codes + ((long)(n) * pairs + (p)) * PAIR_BYTES, d + (long)(n) * 2 * pairs + 2 * (p))
-#define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, w, n, r, o)                                              \
-    TILE(q, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
+#define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, wrows, w, n, r, o)                                       \
+    TILE(q, r, rows, wrows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
 
 /* out[n] += the sum over blocks b of m[b, n] * ss[b] (one row's xd * sum(xcode) a block), 8 outputs a
  * vector, in the order of one output's 8-lane dot product: blocks below the last whole 8 fma'd into 8
@@ -431,7 +472,7 @@ static void add_offsets(const float *__restrict__ scaled_sum, const uint16_t *__
             return -1;                                                                                       \
         }                                                                                                    \
         QUANTIZE(x, M, K, q, num_threads);                                                                   \
-        SWEEP_GROUPS(PAIR_T, BLOCK_PAIR, BLOCK_TILE, LOAD, TILE, PAIR_BYTES)                                 \
+        SWEEP_GROUPS(PAIR_T, BLOCK_PAIR, BLOCK_TILE, LOAD, TILE, PAIR_BYTES, WEIGHT_TILE)                    \
         if (offsets && !failed) add_offsets(q.scaled_sum, offsets, out, M, N, pairs, num_threads);          \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                               \
         return failed ? -1 : 0;                                                                              \
@@ -487,3 +528,4 @@ DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Pair, load_q
 #endif
 /* the largest input code of the Q8_0 linear in this build (for the tests' reference) */
 const int q8_0_code_max = Q8_0_CODE_MAX;
+LINEARS_END

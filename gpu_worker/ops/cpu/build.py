@@ -37,11 +37,11 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-fPIC", "-shared",
           "-fno-math-errno"]
 # the variants of x86-64-v3, best first: each named by the /proc/cpuinfo flags it needs, and its flags.
-# The kernels keep 256-bit registers everywhere: a CPU with AVX-512 (Zen 4, Ice Lake, Sapphire Rapids)
-# takes its VNNI dot products in that width and its byte masks (a Q5 weight's fifth bits, one pext and
-# one masked add a vector against ten AVX2 operations); AVX-VNNI (Alder Lake) is the VEX form alone.
-ISAS = {"avx512": (("avx512_vnni", "avx512vl", "avx512bw"), ["-mavx512vnni", "-mavx512vl", "-mavx512bw",
-                                                              "-mprefer-vector-width=256"]),
+# On a CPU with AVX-512 (Zen 4, Ice Lake, Sapphire Rapids) the linears alone take it, in 256-bit
+# vectors (block_linear.c's LINEARS_AVX512): VNNI dot products, byte masks (a Q5 weight's fifth bits,
+# one pext and one masked add a vector against ten AVX2 operations) and 32 registers; AVX-VNNI (Alder
+# Lake) is the VEX form of those dot products alone.
+ISAS = {"avx512": (("avx512_vnni", "avx512vl", "avx512bw"), ["-DLINEARS_AVX512"]),
         "avxvnni": (("avx_vnni",), ["-mavxvnni"]),
         "avx2": ((), [])} if _X86 else {"native": ((), [])}
 # libm, and on x86-64 glibc its vector math library (paged_attention.c's softmax calls libmvec's expf)

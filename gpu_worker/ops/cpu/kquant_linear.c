@@ -25,6 +25,7 @@
  * alone, in a decode batch or in a prefill chunk, for any thread count.
  */
 #include "block_linear.c"
+LINEARS_BEGIN /* block_linear.c says why */
 
 /* per input row and pair, xd * sum(codes) of its sub-blocks [A 0-15, A 16-31, B 0-15, B 16-31] */
 static void sub_block_sums(const ByteRows q, int M, int pairs, float *__restrict__ sums, int num_threads) {
@@ -176,10 +177,11 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
     return (RowScales){d + n * (pairs / 4), offset + n * (pairs / 4), sc + n * 4 * pairs, mn + n * 4 * pairs};
 }
 
-/* a K-quant weight's pair p of row n, and its tile against row n (block_linear.c's SWEEP_GROUPS) */
+/* a K-quant weight's pair p of row n, and its tile against row n (block_linear.c's SWEEP_GROUPS, asked
+ * for one weight row a tile: wrows is always 1) */
 #define SUB_PAIR(LOAD, TILE, PAIR_BYTES, n, p)                                                             \
     LOAD(codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, offset, sc, mn, n, pairs), p)
-#define SUB_TILE(LOAD, TILE, PAIR_BYTES, rows, w, n, r, o)                                                \
+#define SUB_TILE(LOAD, TILE, PAIR_BYTES, rows, wrows, w, n, r, o)                                         \
     TILE(q, sums, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, offset, sc, mn, n, pairs), \
          o, N)
 
@@ -201,7 +203,7 @@ static inline RowScales row_scales(const float *d, const float *offset, const in
         }                                                                                                    \
         quantize_rows_8bit(x, M, K, q, num_threads);                                                         \
         sub_block_sums(q, M, pairs, sums, num_threads);                                                      \
-        SWEEP_GROUPS(SubPair, SUB_PAIR, SUB_TILE, LOAD, TILE, PAIR_BYTES)                                    \
+        SWEEP_GROUPS(SubPair, SUB_PAIR, SUB_TILE, LOAD, TILE, PAIR_BYTES, 1)                                 \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                                   \
         return failed ? -1 : 0;                                                                              \
     }
@@ -216,3 +218,4 @@ DEFINE_KIND(3)
 DEFINE_KIND(4)
 DEFINE_KIND(5)
 DEFINE_KIND(6)
+LINEARS_END
