@@ -77,10 +77,14 @@ LINEARS_BEGIN
 /* weight rows sharing each load of an input row's codes in a prefill tile: 3 where AVX-512 gives 32
  * vector registers for their 3 x ROW_TILE accumulators and pairs (2 and 4 were a little slower),
  * else 1 */
+/* rows sharing each converted vector of Q4_1/Q5_1 offsets in add_offsets, 8 partial sums each: 3
+ * where AVX-512 gives 32 vector registers, else 1 */
 #if defined(__AVX512VL__)
 #define WEIGHT_TILE 3
+#define OFFSET_ROWS 3
 #else
 #define WEIGHT_TILE 1
+#define OFFSET_ROWS 1
 #endif
 #define CODE_MAX 32767  /* 16-bit activation codes */
 #define BYTE_CODE_MAX 127 /* 8-bit activation codes */
@@ -419,42 +423,64 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
 #define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, wrows, w, n, r, o)                                       \
     TILE(q, r, rows, wrows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
 
-/* out[n] += the sum over blocks b of m[b, n] * ss[b] (one row's xd * sum(xcode) a block), 8 outputs a
- * vector, in the order of one output's 8-lane dot product: blocks below the last whole 8 fma'd into 8
- * partial sums by b mod 8, those added as hsum adds its lanes, then the rest one at a time. The
- * outputs past the last whole vector take the same operations one at a time, so an output's sum is
- * the same wherever it falls. */
-static void offset_row(const float *__restrict__ ss, const uint16_t *__restrict__ offsets, float *__restrict__ out,
-                       int N, int blocks) {
+/* out[r, n] += the sum over blocks b of m[b, n] * ss[r, b] (a row's xd * sum(xcode) a block) for
+ * `rows` (1 to OFFSET_ROWS, a constant after inlining) rows from ss and out, 8 outputs a vector, in
+ * the order of one output's 8-lane dot product: blocks below the last whole 8 fma'd into 8 partial
+ * sums by b mod 8, those added as hsum adds its lanes, then the rest one at a time. The rows share
+ * each converted vector of offsets; each keeps its own partial sums. The outputs past the last whole
+ * vector take the same operations one at a time, so an output's sum is the same wherever it falls. */
+static inline __attribute__((always_inline)) void offset_rows(const float *__restrict__ ss,
+                                                              const uint16_t *__restrict__ offsets,
+                                                              float *__restrict__ out, int rows, int N, int blocks) {
     const int whole = blocks - blocks % 8;
     int n = 0;
     for (; n + 8 <= N; n += 8) {
-        __m256 lane[8];
-        for (int l = 0; l < 8; l++) lane[l] = _mm256_setzero_ps();
-        for (int b = 0; b < whole; b++)
-            lane[b % 8] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
-                                          _mm256_set1_ps(ss[b]), lane[b % 8]);
-        __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(lane[0], lane[4]), _mm256_add_ps(lane[2], lane[6])),
-                                 _mm256_add_ps(_mm256_add_ps(lane[1], lane[5]), _mm256_add_ps(lane[3], lane[7])));
-        for (int b = whole; b < blocks; b++)
-            t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
-                                _mm256_set1_ps(ss[b]), t);
-        _mm256_storeu_ps(out + n, _mm256_add_ps(_mm256_loadu_ps(out + n), t));
+        __m256 lane[OFFSET_ROWS][8];
+        for (int r = 0; r < OFFSET_ROWS; r++)
+            for (int l = 0; l < 8; l++) lane[r][l] = _mm256_setzero_ps();
+        for (int b0 = 0; b0 < whole; b0 += 8)
+            for (int l = 0; l < 8; l++) {
+                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)(b0 + l) * N + n)));
+                for (int r = 0; r < rows; r++)
+                    lane[r][l] = _mm256_fmadd_ps(m, _mm256_set1_ps(ss[(long)r * blocks + b0 + l]), lane[r][l]);
+            }
+        for (int r = 0; r < rows; r++) {
+            const __m256 *v = lane[r];
+            __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
+                                     _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));
+            for (int b = whole; b < blocks; b++)
+                t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
+                                    _mm256_set1_ps(ss[(long)r * blocks + b]), t);
+            float *o = out + (long)r * N + n;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), t));
+        }
     }
-    for (; n < N; n++) {
-        float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int b = 0; b < whole; b++) lane[b % 8] = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], lane[b % 8]);
-        float t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-        for (int b = whole; b < blocks; b++) t = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), ss[b], t);
-        out[n] += t;
-    }
+    for (; n < N; n++)
+        for (int r = 0; r < rows; r++) {
+            const float *x = ss + (long)r * blocks;
+            float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            for (int b = 0; b < whole; b++) lane[b % 8] = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), x[b], lane[b % 8]);
+            float t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+            for (int b = whole; b < blocks; b++) t = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), x[b], t);
+            out[(long)r * N + n] += t;
+        }
 }
 
-/* The offsets' pass over out [M, N]: scaled_sum [M, 2P], offsets [2P, N] fp16. */
+/* The offsets' pass over out [M, N]: scaled_sum [M, 2P], offsets [2P, N] fp16; OFFSET_ROWS rows a
+ * call, which convert each vector of offsets once. */
 static void add_offsets(const float *__restrict__ scaled_sum, const uint16_t *__restrict__ offsets,
                         float *__restrict__ out, int M, int N, int pairs, int num_threads) {
+    const int blocks = 2 * pairs;
     _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * ROW_TILE)")
-    for (long r = 0; r < M; r++) offset_row(scaled_sum + r * 2 * pairs, offsets, out + r * N, N, 2 * pairs);
+    for (long r = 0; r < M; r += OFFSET_ROWS) {
+        const float *ss = scaled_sum + r * blocks;
+        float *o = out + r * N;
+        switch (M - r < OFFSET_ROWS ? M - r : OFFSET_ROWS) {
+        case 1: offset_rows(ss, offsets, o, 1, N, blocks); break;
+        case 2: offset_rows(ss, offsets, o, 2, N, blocks); break;
+        default: offset_rows(ss, offsets, o, OFFSET_ROWS, N, blocks);
+        }
+    }
 }
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [2P, N] fp16 (Q4_1, Q5_1) or NULL
