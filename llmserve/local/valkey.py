@@ -80,7 +80,8 @@ class ValkeyServer:
         return cmd
 
     def start(self, timeout_s: float = 30.0, attempts: int = 5) -> ValkeyServer:
-        """Start and wait for PING (an AOF is loaded before the first answer). A port picked here can
+        """Start and wait until its data is loaded: INFO and PING answer while an AOF loads, writes
+        only after (LOADING before, which `up` met as a crash on its first write). A port picked here can
         be taken by another process before valkey binds it: then (the server exits, or a PING
         reaches a server that is not ours) another free port is tried, on the first start only."""
         for attempt in range(attempts):
@@ -111,7 +112,12 @@ class ValkeyServer:
                     if int(client.info("server")["process_id"]) != self.process.pid:
                         self.stop(kill=True)
                         raise PortTaken(f"another server answers on port {self.port}")
-                    return
+                    if not int(client.info("persistence")["loading"]):
+                        return
+                    if time.monotonic() > deadline:
+                        self.stop(kill=True)
+                        raise RuntimeError("valkey-server did not load its data in time")
+                    time.sleep(0.05)
                 except redis_client.UNAVAILABLE_ERRORS:
                     if time.monotonic() > deadline:
                         self.stop(kill=True)
