@@ -221,13 +221,15 @@ def test_quantized_model_gives_close_logits(fmt):
     assert rel < {"int8": 0.02, "int4": 0.15}[fmt], rel
 
 
-def test_calls_of_few_rows_run_on_one_thread():
+def test_calls_of_few_rows_run_on_one_thread_unless_their_weight_is_large():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         assert cpu_block_linear.threads_for(1) == 1
         assert cpu_block_linear.threads_for(cpu_block_linear.SINGLE_THREAD_ROWS) == 1
         assert cpu_block_linear.threads_for(cpu_block_linear.SINGLE_THREAD_ROWS + 1) == 2
+        head = 49152 * 576 * 34 // 32      # SmolLM2's Q8_0 vocabulary head, bytes
+        assert cpu_block_linear.threads_for(1, 3072 * 576) == 1 and cpu_block_linear.threads_for(1, head) == 2
     finally:
         torch.set_num_threads(threads)
 

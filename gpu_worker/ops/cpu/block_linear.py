@@ -30,6 +30,9 @@ _ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
 # the gateway, so a second kernel thread mostly waits for it: faster in-process, no faster through the
 # stack (docs/performance.md, "Figures behind the CPU kernels' settings").
 SINGLE_THREAD_ROWS = 1
+# ... unless the call reads more weight than this: a vocabulary head (SmolLM2's Q8_0 head is 30 MB,
+# 1.1 ms a row on one thread) is long enough for a second thread to pay for its wait.
+SPLIT_WEIGHT_BYTES = 8 << 20
 
 
 @functools.cache
@@ -38,10 +41,11 @@ def library() -> ctypes.CDLL | None:
     return build.bind("block_linear", {f"{kind}_linear_f32": (_ARGS, ctypes.c_int) for kind in KINDS})
 
 
-def threads_for(rows: int) -> int:
-    """Threads for a kernel call over `rows` activation rows: one up to SINGLE_THREAD_ROWS, else torch's.
-    A row's output does not depend on the thread count, so neither do the logits."""
-    return 1 if rows <= SINGLE_THREAD_ROWS else torch.get_num_threads()
+def threads_for(rows: int, weight_bytes: int = 0) -> int:
+    """Threads for a kernel call over `rows` activation rows and `weight_bytes` of weights: one up to
+    SINGLE_THREAD_ROWS below SPLIT_WEIGHT_BYTES, else torch's. A row's output does not depend on the
+    thread count, so neither do the logits."""
+    return 1 if rows <= SINGLE_THREAD_ROWS and weight_bytes < SPLIT_WEIGHT_BYTES else torch.get_num_threads()
 
 
 def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
@@ -55,7 +59,7 @@ def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     fn = getattr(library(), f"{kind}_linear_f32")
     with build.traced(f"cpu_{kind}_linear"):
         rc = fn(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), None if offsets is None else offsets.data_ptr(),
-                out.data_ptr(), rows, out_features, in_features, threads_for(rows))
+                out.data_ptr(), rows, out_features, in_features, threads_for(rows, codes.numel()))
     if rc != 0:
         raise MemoryError(f"cpu {kind} linear: no memory for the {rows} x {in_features} activation codes")
     return out

@@ -62,7 +62,7 @@ def linear(x: torch.Tensor, w: Packed, out_features: int) -> torch.Tensor:
     sc, mn = (None, None) if w.sc is None or w.mn is None else (w.sc.data_ptr(), w.mn.data_ptr())
     with build.traced(f"cpu_{w.kind}_linear"):
         rc = fn(x.data_ptr(), w.codes.data_ptr(), w.d.data_ptr(), w.offset.data_ptr(), sc, mn, out.data_ptr(),
-                rows, out_features, in_features, block_linear.threads_for(rows))
+                rows, out_features, in_features, block_linear.threads_for(rows, w.codes.numel()))
     if rc != 0:
         raise MemoryError(f"cpu {w.kind} linear: no memory for the {rows} x {in_features} activation codes")
     return out
