@@ -68,7 +68,8 @@ def build_engine(settings: WorkerSettings) -> LLMEngine:
                           enable_prefix_caching=settings.prefix_caching,
                           priority_preemption=settings.priority_preemption, aging_steps=settings.aging_steps,
                           fair_tokens=settings.fair_share == "tokens",
-                          speculation=SpeculationConfig(settings.draft_tokens(device), settings.spec_max_running))
+                          speculation=SpeculationConfig(settings.draft_tokens(device), settings.spec_max_running,
+                                                        max_temperature=settings.spec_max_temperature))
     engine = LLMEngine.create(model, config, constraints=load_constraints(settings.model, model.config.vocab_size))
     logger.info("kv cache ready", num_blocks=num_blocks, block_size=settings.block_size,
                 mib=round(engine.kv_cache.nbytes() / 2**20, 1), device=device)

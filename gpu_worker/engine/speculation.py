@@ -21,6 +21,7 @@ No context match, no draft: a sequence whose text never repeats costs nothing.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class SpeculationConfig:
     max_running: int = 1         # draft only while at most this many sequences run
     min_ngram: int = 2           # the shortest context suffix looked up
     max_ngram: int = 4           # ... and the longest (tried first)
+    max_temperature: float = math.inf  # draft only for sequences sampled at most this hot (greedy is 0)
 
 
 class NgramIndex:
@@ -85,10 +87,10 @@ class PromptLookup:
 
     def propose(self, decodes: list[Sequence], num_running: int) -> list[tuple[Sequence, list[int]]]:
         """(sequence, draft) for the decodes of a planned step that have one, when at most
-        `max_running` sequences run."""
+        `max_running` sequences run (those sampled hotter than `max_temperature` draft nothing)."""
         if not self.enabled or num_running > self.config.max_running:
             return []
-        drafts = [(seq, self._draft(seq)) for seq in decodes]
+        drafts = [(seq, self._draft(seq)) for seq in decodes if seq.params.temperature <= self.config.max_temperature]
         return [(seq, draft) for seq, draft in drafts if draft]
 
     def _draft(self, seq: Sequence) -> list[int]:

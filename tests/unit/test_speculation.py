@@ -45,5 +45,9 @@ def test_drafts_stay_inside_the_request_and_the_context():
     seq = Sequence([1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(max_new_tokens=100))
     assert lookup.propose([seq], num_running=1) == [(seq, [3, 4, 5])]       # 8 + 3 + 1 = 12 positions
     assert lookup.propose([seq], num_running=3) == []                       # too many running
+    cool = PromptLookup(SpeculationConfig(num_tokens=4, max_running=2, max_temperature=0.7), context_length=12)
+    hot = Sequence([1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(temperature=1.0, max_new_tokens=100))
+    warm = Sequence([1, 2, 3, 4, 5, 6, 1, 2], SamplingParams(temperature=0.7, max_new_tokens=100))
+    assert cool.propose([hot, warm], num_running=1) == [(warm, [3, 4, 5])]  # hotter than 0.7: no draft
     off = PromptLookup(SpeculationConfig(), context_length=12)
     assert not off.enabled and off.propose([seq], num_running=1) == []

@@ -37,6 +37,9 @@ def test_scheduling_settings_reach_flags_and_env_and_are_checked():
 def test_speculation_is_auto_by_device_and_checked():
     auto = WorkerSettings.load([], env={})
     assert (auto.draft_tokens("cpu"), auto.draft_tokens("cuda"), auto.spec_max_running) == (3, 0, 1)
+    assert auto.spec_max_temperature == 0.7
+    with pytest.raises(SettingsError, match="spec_max_temperature"):
+        WorkerSettings.load(["--spec-max-temperature", "-1"], env={})
     assert WorkerSettings.load(["--spec-tokens", "0"], env={}).draft_tokens("cpu") == 0
     assert WorkerSettings.load([], env={"LLMSERVE_SPEC_TOKENS": "5"}).draft_tokens("cuda") == 5
     with pytest.raises(SettingsError, match="spec_tokens"):
