@@ -74,11 +74,10 @@ LINEARS_BEGIN
 #define Q8_0_PAIR_BYTES 64
 #define ROW_TILE 4      /* input rows sharing one widened weight pair (the calls below name 1-3) */
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
-/* weight rows sharing each load of an input row's codes in a prefill tile: 3 where AVX-512 gives 32
- * vector registers for their 3 x ROW_TILE accumulators and pairs (2 and 4 were a little slower),
- * else 1 */
-/* rows sharing each converted vector of Q4_1/Q5_1 offsets in add_offsets, 8 partial sums each: 3
- * where AVX-512 gives 32 vector registers, else 1 */
+/* Where AVX-512 gives 32 vector registers: weight rows sharing each load of an input row's codes in a
+ * prefill tile, their 3 x ROW_TILE accumulators and pairs in registers (2 and 4 were a little slower),
+ * and rows sharing each converted vector of Q4_1/Q5_1 offsets in add_offsets, 8 partial sums each.
+ * 1 and 1 elsewhere. */
 #if defined(__AVX512VL__)
 #define WEIGHT_TILE 3
 #define OFFSET_ROWS 3
@@ -368,16 +367,16 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
  * n (w: their unpacked pairs or NULL) into o; A, B, C are the kind's own (its loader, tile, pair bytes).
  * Unpacked weight rows go WEIGHTS at a time (the group's last few one by one). Leaves `failed` set
  * where a thread had no memory for its pairs. */
-#define SWEEP_GROUPS(PAIR_T, UNPACK, CALL, A, B, C, WEIGHTS)                                               \
+#define SWEEP_GROUPS(PAIR_T, UNPACK, CALL, A, B, C, WEIGHTS)                                             \
     const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
     int failed = 0;                                                                                      \
-    _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                                \
+    _Pragma("omp parallel num_threads(num_threads) reduction(| : failed)")                               \
     {                                                                                                    \
         PAIR_T *group_pairs = unpack ? aligned_alloc(64, sizeof(PAIR_T) * GROUP_ROWS * (size_t)pairs) : NULL; \
-        /* guided: a fetch takes the groups left over the thread count, down to one group, so the       \
+        /* guided: a fetch takes the groups left over the thread count, down to one group, so the        \
          * threads finish together after a few fetches a call; a thread the OS preempts (other           \
-         * services share the cores) leaves the rest to the others. One group per fetch (dynamic, 1)    \
-         * made the fetches themselves the cost (docs/performance.md has the figures). */               \
+         * services share the cores) leaves the rest to the others. One group per fetch (dynamic, 1)     \
+         * made the fetches themselves the cost (docs/performance.md has the figures). */                \
         _Pragma("omp for schedule(guided)")                                                              \
         for (int g = 0; g < groups; g++) {                                                               \
             const int n0 = g * GROUP_ROWS, n1 = n0 + GROUP_ROWS < N ? n0 + GROUP_ROWS : N;               \
@@ -394,12 +393,12 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
                     const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
                     float *o = out + (long)r * N + n;                                                    \
                     /* constant row counts per call keep the tile in registers */                        \
-                    if (unpack && WEIGHTS > 1 && n + WEIGHTS <= n1) {                                          \
+                    if (unpack && WEIGHTS > 1 && n + WEIGHTS <= n1) {                                    \
                         switch (rows) {                                                                  \
-                        case 1: CALL(A, B, C, 1, WEIGHTS, w, n, r, o); break;                                  \
-                        case 2: CALL(A, B, C, 2, WEIGHTS, w, n, r, o); break;                                  \
-                        case 3: CALL(A, B, C, 3, WEIGHTS, w, n, r, o); break;                                  \
-                        default: CALL(A, B, C, ROW_TILE, WEIGHTS, w, n, r, o);                                 \
+                        case 1: CALL(A, B, C, 1, WEIGHTS, w, n, r, o); break;                            \
+                        case 2: CALL(A, B, C, 2, WEIGHTS, w, n, r, o); break;                            \
+                        case 3: CALL(A, B, C, 3, WEIGHTS, w, n, r, o); break;                            \
+                        default: CALL(A, B, C, ROW_TILE, WEIGHTS, w, n, r, o);                           \
                         }                                                                                \
                         n += WEIGHTS;                                                                    \
                         continue;                                                                        \

@@ -5,8 +5,8 @@ the system C compiler (`cc`, OpenMP) into `<cache_dir>/cpu_kernels/`, keyed by a
 sources and the flags; no torch headers, so a build takes about a second. On x86-64 the target
 is x86-64-v3 (AVX2, FMA, F16C), not the build machine's own CPU, plus the extensions of one
 variant at most (ISAS): the VNNI integer dot products and AVX-512's byte masks, which the kernels
-use where the compiler defines them. `load` takes the variant this CPU runs (`cpu_isa`, from /proc/cpuinfo's flags);
-`python -m gpu_worker.ops.cpu.build`, as the container image runs at build time, builds every
+use where the compiler defines them. `load` takes the variant this CPU runs (`cpu_isa`, from
+/proc/cpuinfo's flags); `python -m gpu_worker.ops.cpu.build`, as the container image runs at build time, builds every
 variant, so the image serves any AVX2 machine without a compiler. A CPU without AVX2 gets none of
 them. Where there is no compiler and no prebuilt file, or a file does not build for this CPU,
 `load` returns None and the caller runs its torch fallback.
