@@ -30,8 +30,8 @@
  *
  * Blocking: a thread takes GROUP_ROWS weight rows (in L1 while it works on them) and sweeps the
  * input rows ROW_TILE at a time, so each loaded weight pair serves ROW_TILE rows from registers
- * and each tile of input codes serves GROUP_ROWS weight rows from L1; in a prefill, each load of a
- * row's codes serves WEIGHT_TILE weight rows.
+ * and each tile of input codes serves GROUP_ROWS weight rows from L1; each load of a row's codes
+ * serves WEIGHT_TILE weight rows (decode batches too: their independent sums keep more loads in flight).
  *
  * out[r, n] is computed by one thread with the same sequence of operations whatever M, the row
  * tile it falls in, the thread count or which thread takes it: a row's codes depend only on that
@@ -75,7 +75,7 @@ LINEARS_BEGIN
 #define ROW_TILE 4      /* input rows sharing one widened weight pair (the calls below name 1-3) */
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
 /* Where AVX-512 gives 32 vector registers: weight rows sharing each load of an input row's codes in a
- * prefill tile, their 3 x ROW_TILE accumulators and pairs in registers (2 and 4 were a little slower),
+ * tile, their 3 x ROW_TILE accumulators and pairs in registers (2 and 4 were a little slower),
  * and rows sharing each converted vector of Q4_1/Q5_1 offsets in add_offsets, 8 partial sums each.
  * 1 and 1 elsewhere. */
 #if defined(__AVX512VL__)
@@ -323,8 +323,8 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 
 /* out[r * N + j] for `rows` (1 to ROW_TILE) input rows from `row` and `wrows` (1 to WEIGHT_TILE) weight
  * rows from the one given, both constants after inlining: their pairs as loaded (`unpacked`, row j's from
- * unpacked + j * pairs, where the caller unpacked them once for every row tile), else (one weight row)
- * its codes and d, loaded here. Each output keeps its own accumulator, so its operations do not depend
+ * unpacked + j * pairs, where the caller unpacked them once for every row tile), else their codes and
+ * d, loaded here (row j's P pairs after row j - 1's). Each output keeps its own accumulator, so its operations do not depend
  * on the tile it falls in. */
 #define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
     static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int wrows, int pairs, \
@@ -340,8 +340,11 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
             if (unpacked) {                                                                                  \
                 for (int j = 0; j < wrows; j++) w[j] = unpacked[(long)j * pairs + p];                        \
             } else {                                                                                         \
-                _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);   \
-                w[0] = LOAD(codes + (long)p * PAIR_BYTES, d + 2 * p);                                        \
+                for (int j = 0; j < wrows; j++) {                                                            \
+                    const uint8_t *c = codes + ((long)j * pairs + p) * PAIR_BYTES;                           \
+                    _mm_prefetch((const char *)c + PREFETCH_BYTES, _MM_HINT_T0);                             \
+                    w[j] = LOAD(c, d + (long)j * 2 * pairs + 2 * p);                                         \
+                }                                                                                            \
             }                                                                                                \
             for (int r = 0; r < rows; r++) {                                                                 \
                 const long xp = (row + r) * pairs + p;                                                       \
@@ -365,7 +368,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
  * chunk did M / ROW_TILE times. UNPACK(A, B, C, n, p) gives row n's pair p as PAIR_T, CALL(A, B, C,
  * rows, wrows, w, n, r, o) runs the tile of `rows` input rows from r against `wrows` weight rows from
  * n (w: their unpacked pairs or NULL) into o; A, B, C are the kind's own (its loader, tile, pair bytes).
- * Unpacked weight rows go WEIGHTS at a time (the group's last few one by one). Leaves `failed` set
+ * Weight rows go WEIGHTS at a time (the group's last few one by one). Leaves `failed` set
  * where a thread had no memory for its pairs. */
 #define SWEEP_GROUPS(PAIR_T, UNPACK, CALL, A, B, C, WEIGHTS)                                             \
     const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
@@ -393,7 +396,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
                     const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
                     float *o = out + (long)r * N + n;                                                    \
                     /* constant row counts per call keep the tile in registers */                        \
-                    if (unpack && WEIGHTS > 1 && n + WEIGHTS <= n1) {                                    \
+                    if (WEIGHTS > 1 && n + WEIGHTS <= n1) {                                          \
                         switch (rows) {                                                                  \
                         case 1: CALL(A, B, C, 1, WEIGHTS, w, n, r, o); break;                            \
                         case 2: CALL(A, B, C, 2, WEIGHTS, w, n, r, o); break;                            \
