@@ -282,12 +282,16 @@ def test_file_blocks_dequantize_as_the_file_does(ggml_type):
 
 @needs_kquant_kernel
 def test_file_blocks_take_about_the_files_bytes():
-    """K types keep their codes at the type's own bits and their two-level scales (int8 sc and mn per 16
-    weights, fp32 d and dmin per 256: 1.25 bits a weight more); Q5_1 takes the file's own bytes (fp16 d and
-    m per 32). Q4_0 and Q5_0 add an fp16 m (their -8 d and -16 d) to their bytes as Q4_1 and Q5_1."""
+    """K types keep their codes at the type's own bits and their two-level scales: int8 sc and mn per
+    sub-block, fp32 d and dmin per 256, so 1.25 bits a weight more with 16-weight sub-blocks and 0.75 with
+    Q4_K's and Q5_K's 32, and Q3_K and Q6_K, whose offsets follow from their scales, 0.625 (no mn, dmin);
+    Q5_1 takes the file's own bytes (fp16 d and m per 32). Q4_0 and Q5_0 add an fp16 m (their -8 d and
+    -16 d) to their bytes as Q4_1 and Q5_1."""
     n, k = 64, 512
     bits = {gguf_blocks.T.Q4_0: 4 + 1.0, gguf_blocks.T.Q5_0: 5 + 1.0, gguf_blocks.T.Q5_1: 5 + 1.0,
-            **{t: gguf_blocks.BITS[t] + 1.25 for t in gguf_blocks.K_TYPES}}
+            **{t: gguf_blocks.BITS[t] + 1.25 for t in gguf_blocks.K_TYPES},
+            gguf_blocks.T.Q3_K: 3 + 0.625, gguf_blocks.T.Q4_K: 4 + 0.75, gguf_blocks.T.Q5_K: 5 + 0.75,
+            gguf_blocks.T.Q6_K: 6 + 0.625}
     for ggml_type, weight_bits in bits.items():
         assert gguf_weight.cpu_weight([file_tensor(ggml_type, n, k, 0)]).nbytes == n * k * weight_bits / 8
 
@@ -357,8 +361,8 @@ def test_a_q4_0_block_whose_offset_overflows_fp16_runs_as_q8_0():
 
 @needs_kquant_kernel
 @pytest.mark.skipif(cpu_kernels.cpu_isa() == "avx2", reason="this CPU runs the AVX2 build only")
-@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q4_1, gguf_blocks.T.Q5_1, gguf_blocks.T.Q3_K, gguf_blocks.T.Q4_K,
-                                       gguf_blocks.T.Q5_K, gguf_blocks.T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q4_1, gguf_blocks.T.Q5_1, gguf_blocks.T.Q2_K, gguf_blocks.T.Q3_K,
+                                       gguf_blocks.T.Q4_K, gguf_blocks.T.Q5_K, gguf_blocks.T.Q6_K], ids=lambda t: t.name)
 def test_this_cpus_build_gives_the_bits_of_the_avx2_build(ggml_type, monkeypatch):
     """VNNI fuses the integer multiply-adds, not their sums, and AVX-512 masks place the same bits of a
     Q3/Q5 code: each kind on 8-bit input codes gives the same bits (Q8_0 takes 8-bit codes with VNNI,

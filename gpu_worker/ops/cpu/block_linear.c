@@ -24,7 +24,7 @@
  *     signed weights, 8-bit input codes need a sign instruction a vector on top, and were no faster.
  * Either way a pair's products sum into int32 lanes 0-3 for block A and 4-7 for block B, scaled
  * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. Q4_1 and Q5_1 then add the sum
- * over blocks of m * xd * sum(xcode) in a pass of their own (add_offsets), 8 outputs a vector with
+ * over blocks of m * xd * sum(xcode) in a pass of their own (DEFINE_OFFSETS), 8 outputs a vector with
  * each output's operations those of its own short dot product: computed one output at a time after
  * its sums it was a third of a linear's time.
  *
@@ -53,19 +53,20 @@
 #error "block_linear.c needs AVX2, FMA and F16C"
 #endif
 
-/* build.py's avx512 variant defines LINEARS_AVX512: the linears here and in kquant_linear.c take
- * AVX-512 (VNNI, byte masks, 32 registers) in 256-bit vectors, each file in a region of its own; the
- * rest of the build stays AVX2, as paged_attention.c ran 1.6x slower compiled for AVX-512. */
-#ifdef LINEARS_AVX512
-#define LINEARS_BEGIN                                                                                      \
+/* build.py's avx512 variant defines AVX512_REGIONS: the linears here and in kquant_linear.c take
+ * AVX-512 (VNNI, byte masks, 32 registers) in 256-bit vectors, each file in a region of its own, and
+ * paged_attention.c its value rows alone; the rest of the build stays AVX2, as paged_attention.c ran
+ * 1.6x slower compiled whole for AVX-512. */
+#ifdef AVX512_REGIONS
+#define AVX512_BEGIN                                                                                      \
     _Pragma("GCC push_options")                                                                            \
     _Pragma("GCC target(\"avx512f,avx512vl,avx512bw,avx512vnni,prefer-vector-width=256\")")
-#define LINEARS_END _Pragma("GCC pop_options")
+#define AVX512_END _Pragma("GCC pop_options")
 #else
-#define LINEARS_BEGIN
-#define LINEARS_END
+#define AVX512_BEGIN
+#define AVX512_END
 #endif
-LINEARS_BEGIN
+AVX512_BEGIN
 
 #define BLOCK 32
 #define PAIR 64         /* weights per pair of blocks */
@@ -76,7 +77,7 @@ LINEARS_BEGIN
 #define GROUP_ROWS 16   /* weight rows one thread takes at a time */
 /* Where AVX-512 gives 32 vector registers: weight rows sharing each load of an input row's codes in a
  * tile, their 3 x ROW_TILE accumulators and pairs in registers (2 and 4 were a little slower),
- * and rows sharing each converted vector of Q4_1/Q5_1 offsets in add_offsets, 8 partial sums each.
+ * and rows sharing each converted vector of offsets in the offsets' pass, 8 partial sums each.
  * 1 and 1 elsewhere. */
 #if defined(__AVX512VL__)
 #define WEIGHT_TILE 3
@@ -100,15 +101,17 @@ LINEARS_BEGIN
 #define DPWSSD _mm256_dpwssd_epi32
 #endif
 
-/* int32 lane i = sum over bytes 4i..4i+3 of u * s: unsigned byte codes u, signed byte codes s. Without
- * VNNI a 16-bit lane holds 2 products first, so the caller keeps their sum below 2^15. */
-static inline __m256i dot_byte_vector(__m256i u, __m256i s) {
+/* int32 lane i = acc_i + the sum over bytes 4i..4i+3 of u * s: unsigned byte codes u, signed byte codes
+ * s. Without VNNI a 16-bit lane holds 2 products first, so the caller keeps their sum below 2^15. */
+static inline __m256i dot_byte_vector_from(__m256i acc, __m256i u, __m256i s) {
 #ifdef DPBUSD
-    return DPBUSD(_mm256_setzero_si256(), u, s);
+    return DPBUSD(acc, u, s);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
+
+static inline __m256i dot_byte_vector(__m256i u, __m256i s) { return dot_byte_vector_from(_mm256_setzero_si256(), u, s); }
 
 /* the same over two vector pairs, u0 * s0 + u1 * s1. Without VNNI a 16-bit lane holds 4 products. */
 static inline __m256i dot_bytes(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
@@ -425,65 +428,71 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
 #define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, wrows, w, n, r, o)                                       \
     TILE(q, r, rows, wrows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
 
-/* out[r, n] += the sum over blocks b of m[b, n] * ss[r, b] (a row's xd * sum(xcode) a block) for
- * `rows` (1 to OFFSET_ROWS, a constant after inlining) rows from ss and out, 8 outputs a vector, in
- * the order of one output's 8-lane dot product: blocks below the last whole 8 fma'd into 8 partial
- * sums by b mod 8, those added as hsum adds its lanes, then the rest one at a time. The rows share
- * each converted vector of offsets; each keeps its own partial sums. The outputs past the last whole
- * vector take the same operations one at a time, so an output's sum is the same wherever it falls. */
-static inline __attribute__((always_inline)) void offset_rows(const float *__restrict__ ss,
-                                                              const uint16_t *__restrict__ offsets,
-                                                              float *__restrict__ out, int rows, int N, int blocks) {
-    const int whole = blocks - blocks % 8;
-    int n = 0;
-    for (; n + 8 <= N; n += 8) {
-        __m256 lane[OFFSET_ROWS][8];
-        for (int r = 0; r < OFFSET_ROWS; r++)
-            for (int l = 0; l < 8; l++) lane[r][l] = _mm256_setzero_ps();
-        for (int b0 = 0; b0 < whole; b0 += 8)
-            for (int l = 0; l < 8; l++) {
-                const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)(b0 + l) * N + n)));
-                for (int r = 0; r < rows; r++)
-                    lane[r][l] = _mm256_fmadd_ps(m, _mm256_set1_ps(ss[(long)r * blocks + b0 + l]), lane[r][l]);
-            }
-        for (int r = 0; r < rows; r++) {
-            const __m256 *v = lane[r];
-            __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
-                                     _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));
-            for (int b = whole; b < blocks; b++)
-                t = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offsets + (long)b * N + n))),
-                                    _mm256_set1_ps(ss[(long)r * blocks + b]), t);
-            float *o = out + (long)r * N + n;
-            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), t));
-        }
+/* The offsets' pass: out[r, n] += the sum over s of m[s, n] * ss[r, s], ss a row's xd * sum(xcode) per
+ * block (or per sub-block: kquant_linear.c's 16-weight scales), m the offsets as read by OFFSETS_T's
+ * M8(o, s, n, N) (8 outputs from n, fp32) and M1(o, s, n, N) (one). Per call `rows` (1 to OFFSET_ROWS,
+ * a constant after inlining) rows from ss and out, 8 outputs a vector, in the order of one output's
+ * 8-lane dot product: the sums below the last whole 8 fma'd into 8 partial sums by s mod 8, those
+ * added as hsum adds its lanes, then the rest one at a time. The rows share each converted vector of
+ * offsets; each keeps its own partial sums. The outputs past the last whole vector take the same
+ * operations one at a time, so an output's sum is the same wherever it falls. ADD_OFFSETS runs it
+ * over out [M, N] with S sums a row, OFFSET_ROWS rows a call. */
+#define DEFINE_OFFSETS(OFFSET_ROWS_FN, ADD_OFFSETS, OFFSETS_T, M8, M1)                                           \
+    static inline __attribute__((always_inline)) void OFFSET_ROWS_FN(const float *__restrict__ ss, OFFSETS_T m,   \
+                                                                     float *__restrict__ out, int rows, int N,    \
+                                                                     int S) {                                     \
+        const int whole = S - S % 8;                                                                              \
+        int n = 0;                                                                                                \
+        for (; n + 8 <= N; n += 8) {                                                                              \
+            __m256 lane[OFFSET_ROWS][8];                                                                          \
+            for (int r = 0; r < OFFSET_ROWS; r++)                                                                 \
+                for (int l = 0; l < 8; l++) lane[r][l] = _mm256_setzero_ps();                                     \
+            for (int s0 = 0; s0 < whole; s0 += 8)                                                                 \
+                for (int l = 0; l < 8; l++) {                                                                     \
+                    const __m256 v = M8(m, s0 + l, n, N);                                                         \
+                    for (int r = 0; r < rows; r++)                                                                \
+                        lane[r][l] = _mm256_fmadd_ps(v, _mm256_set1_ps(ss[(long)r * S + s0 + l]), lane[r][l]);    \
+                }                                                                                                 \
+            for (int r = 0; r < rows; r++) {                                                                      \
+                const __m256 *v = lane[r];                                                                        \
+                __m256 t = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),     \
+                                         _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])));    \
+                for (int s = whole; s < S; s++) t = _mm256_fmadd_ps(M8(m, s, n, N), _mm256_set1_ps(ss[(long)r * S + s]), t); \
+                float *o = out + (long)r * N + n;                                                                 \
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), t));                                        \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (; n < N; n++)                                                                                        \
+            for (int r = 0; r < rows; r++) {                                                                      \
+                const float *x = ss + (long)r * S;                                                                \
+                float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};                                         \
+                for (int s = 0; s < whole; s++) lane[s % 8] = fmaf(M1(m, s, n, N), x[s], lane[s % 8]);            \
+                float t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7])); \
+                for (int s = whole; s < S; s++) t = fmaf(M1(m, s, n, N), x[s], t);                                \
+                out[(long)r * N + n] += t;                                                                        \
+            }                                                                                                     \
+    }                                                                                                             \
+    static void ADD_OFFSETS(const float *__restrict__ sums, OFFSETS_T m, float *__restrict__ out, int M, int N,    \
+                            int S, int num_threads) {                                                             \
+        _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * ROW_TILE)")                               \
+        for (long r = 0; r < M; r += OFFSET_ROWS) {                                                               \
+            const float *ss = sums + r * S;                                                                       \
+            float *o = out + r * N;                                                                               \
+            switch (M - r < OFFSET_ROWS ? M - r : OFFSET_ROWS) {                                                  \
+            case 1: OFFSET_ROWS_FN(ss, m, o, 1, N, S); break;                                                     \
+            case 2: OFFSET_ROWS_FN(ss, m, o, 2, N, S); break;                                                     \
+            default: OFFSET_ROWS_FN(ss, m, o, OFFSET_ROWS, N, S);                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
     }
-    for (; n < N; n++)
-        for (int r = 0; r < rows; r++) {
-            const float *x = ss + (long)r * blocks;
-            float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int b = 0; b < whole; b++) lane[b % 8] = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), x[b], lane[b % 8]);
-            float t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
-            for (int b = whole; b < blocks; b++) t = fmaf(_cvtsh_ss(offsets[(long)b * N + n]), x[b], t);
-            out[(long)r * N + n] += t;
-        }
-}
 
-/* The offsets' pass over out [M, N]: scaled_sum [M, 2P], offsets [2P, N] fp16; OFFSET_ROWS rows a
- * call, which convert each vector of offsets once. */
-static void add_offsets(const float *__restrict__ scaled_sum, const uint16_t *__restrict__ offsets,
-                        float *__restrict__ out, int M, int N, int pairs, int num_threads) {
-    const int blocks = 2 * pairs;
-    _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * ROW_TILE)")
-    for (long r = 0; r < M; r += OFFSET_ROWS) {
-        const float *ss = scaled_sum + r * blocks;
-        float *o = out + r * N;
-        switch (M - r < OFFSET_ROWS ? M - r : OFFSET_ROWS) {
-        case 1: offset_rows(ss, offsets, o, 1, N, blocks); break;
-        case 2: offset_rows(ss, offsets, o, 2, N, blocks); break;
-        default: offset_rows(ss, offsets, o, OFFSET_ROWS, N, blocks);
-        }
-    }
-}
+/* Q4_1 and Q5_1: fp16 offsets [2P, N], a block's m per output */
+typedef struct {
+    const uint16_t *m;
+} HalfOffsets;
+#define HALF_OFFSETS_8(o, s, n, N) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((o).m + (long)(s) * (N) + (n))))
+#define HALF_OFFSETS_1(o, s, n, N) _cvtsh_ss((o).m[(long)(s) * (N) + (n)])
+DEFINE_OFFSETS(half_offset_rows, add_half_offsets, HalfOffsets, HALF_OFFSETS_8, HALF_OFFSETS_1)
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [2P, N] fp16 (Q4_1, Q5_1) or NULL
  * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's
@@ -501,7 +510,7 @@ static void add_offsets(const float *__restrict__ scaled_sum, const uint16_t *__
         }                                                                                                    \
         QUANTIZE(x, M, K, q, num_threads);                                                                   \
         SWEEP_GROUPS(PAIR_T, BLOCK_PAIR, BLOCK_TILE, LOAD, TILE, PAIR_BYTES, WEIGHT_TILE)                    \
-        if (offsets && !failed) add_offsets(q.scaled_sum, offsets, out, M, N, pairs, num_threads);          \
+        if (offsets && !failed) add_half_offsets(q.scaled_sum, (HalfOffsets){offsets}, out, M, N, 2 * pairs, num_threads); \
         free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                               \
         return failed ? -1 : 0;                                                                              \
     }
@@ -556,4 +565,4 @@ DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Pair, load_q
 #endif
 /* the largest input code of the Q8_0 linear in this build (for the tests' reference) */
 const int q8_0_code_max = Q8_0_CODE_MAX;
-LINEARS_END
+AVX512_END

@@ -38,10 +38,10 @@ CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-
           "-fno-math-errno"]
 # the variants of x86-64-v3, best first: each named by the /proc/cpuinfo flags it needs, and its flags.
 # On a CPU with AVX-512 (Zen 4, Ice Lake, Sapphire Rapids) the linears alone take it, in 256-bit
-# vectors (block_linear.c's LINEARS_AVX512): VNNI dot products, byte masks (a Q5 weight's fifth bits,
+# vectors (block_linear.c's AVX512_REGIONS): VNNI dot products, byte masks (a Q5 weight's fifth bits,
 # one pext and one masked add a vector against ten AVX2 operations) and 32 registers; AVX-VNNI (Alder
 # Lake) is the VEX form of those dot products alone.
-ISAS = {"avx512": (("avx512_vnni", "avx512vl", "avx512bw"), ["-DLINEARS_AVX512"]),
+ISAS = {"avx512": (("avx512_vnni", "avx512vl", "avx512bw"), ["-DAVX512_REGIONS"]),
         "avxvnni": (("avx_vnni",), ["-mavxvnni"]),
         "avx2": ((), [])} if _X86 else {"native": ((), [])}
 # libm, and on x86-64 glibc its vector math library (paged_attention.c's softmax calls libmvec's expf)

@@ -2,32 +2,40 @@
  * fp32 activations in, fp32 out, integer dot products inside, as block_linear.c does for the legacy types.
  *
  * A weight [N, K] (K a multiple of 256) is N rows of P = K/64 pairs of 32-weight blocks A and B,
- * w = scale * code + offset per sub-block of 16. The codes of a pair are b bits a weight, in bit
+ * w = scale * code + offset per sub-block. The codes of a pair are b bits a weight, in bit
  * planes that join into two vectors of 32 byte codes [A 0..15 | B 0..15], [A 16..31 | B 16..31]
  * (kquant_linear.py packs them):
  *   nibble plane, 32 bytes: the low 4 bits as block_linear.c's Q4_1 codes
  *   crumb plane, 16 bytes: A's 8 bytes, then B's; byte i holds 2 bits of weight 8c + i at bits 2c
  *   bit plane, 8 bytes: block_linear.c's Q5_1 fifth bits
  *   b = 2: crumbs; 3: crumbs, bits (x4); 4: nibbles; 5: nibbles, bits (x16); 6: nibbles, crumbs (x16)
- * Scales: per row and super-block of 256 d and dmin [N, K/256] fp32, per 16 weights sc and mn [N, K/16]
- * int8: scale = d * sc, offset = dmin * mn (exact).
+ * Scales, per sub-block s (S = K/16 of 16 weights for Q2_K, Q3_K and Q6_K; K/32 of 32 for Q4_K and Q5_K):
+ * scale = d * sc and offset = dmin * mn (exact fp32 products), d [N, K/256] fp32 and sc [N, S] int8 by
+ * weight row for the dot products, dmin [K/256, N] fp32 and mn [S, N] int8 by output for the offsets;
+ * Q3_K's and Q6_K's offset is -zero * scale (zero 4 and 32), so they have neither.
  *
  * The input rows are quantized to block_linear.c's 8-bit codes per block of 32 (llama.cpp takes 8-bit
- * codes per 256). A pair's dot product is two byte dot products (dot_bytes, one vector each): int32
- * lanes 0-3 of the first belong to A's first 16 weights and lanes 4-7 to B's, of the second to their
- * second 16, so each is scaled lane-wise by its own sub-block scale (16-weight sub-blocks cost
- * nothing extra). The offsets add sum over sub-blocks of offset * xd * sum(xcodes), a 4-lane fma a
- * pair. Q3's third bit, Q5's fifth and Q6's top two join the low bits as bytes. Without VNNI a 16-bit
- * lane holds 2 products of at most 63 * 127, an int32 lane 4, so nothing saturates and the int32 ->
- * fp32 conversion is exact.
+ * codes per 256). A pair's dot product is two byte dot products, one vector each: int32 lanes 0-3 of
+ * the first belong to A's first 16 weights and lanes 4-7 to B's, of the second to their second 16.
+ * With 16-weight sub-blocks each is scaled lane-wise by its own sub-block scale, then their sum by the
+ * input's block scales (sub_accumulate); with 32-weight ones the two add as integers and take one
+ * scale, as block_linear.c's Q4_1 (accumulate_bytes). The offsets of Q2_K, Q4_K and Q5_K add the sum
+ * over sub-blocks of offset * xd * sum(xcodes) in block_linear.c's pass of their own (DEFINE_OFFSETS),
+ * 8 outputs a vector: in the pair loop they cost a 4-lane fma and a load a pair and input row. Q3_K's
+ * and Q6_K's start each lane's integer sum at -zero * the sum of its input codes (zero_code_bias), so
+ * it ends at the dot product of the signed codes (code - zero). Q3's third bit, Q5's fifth and Q6's top
+ * two join the low bits as bytes. Without VNNI a 16-bit lane holds 2 products of at most 63 * 127 (4 of
+ * 31 * 127 for Q5_K), an int32 lane 4 or 8, so nothing saturates and the int32 -> fp32 conversion is
+ * exact.
  *
  * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
  * alone, in a decode batch or in a prefill chunk, for any thread count.
  */
 #include "block_linear.c"
-LINEARS_BEGIN /* block_linear.c says why */
+AVX512_BEGIN /* block_linear.c says why */
 
-/* per input row and pair, xd * sum(codes) of its sub-blocks [A 0-15, A 16-31, B 0-15, B 16-31] */
+/* per input row and pair, xd * sum(codes) of its 16-weight sub-blocks [A 0-15, A 16-31, B 0-15, B 16-31]
+ * (the 32-weight ones take quantize_rows_8bit's per block) */
 static void sub_block_sums(const ByteRows q, int M, int pairs, float *__restrict__ sums, int num_threads) {
     _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * QUANTIZE_ROWS_A_THREAD)")
     for (long rp = 0; rp < (long)M * pairs; rp++) {
@@ -41,6 +49,31 @@ static void sub_block_sums(const ByteRows q, int M, int pairs, float *__restrict
         sums[rp * 4 + 2] = xb * (float)s[2], sums[rp * 4 + 3] = xb * (float)s[3];
     }
 }
+
+/* For Q3_K and Q6_K, whose offset is -zero * scale (w = scale * (code - zero)): per input row and pair,
+ * -zero * the sum of each int32 lane's 4 codes in the two vectors of dot products, so that a lane's sum
+ * starts there and ends at the dot product of the signed codes (code - zero) with the input's. */
+static void zero_code_bias(const ByteRows q, int M, int pairs, int zero, int32_t *__restrict__ bias, int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * QUANTIZE_ROWS_A_THREAD)")
+    for (long rp = 0; rp < (long)M * pairs; rp++)
+        for (int v = 0; v < 2; v++) {
+            const __m256i sums = dot_byte_vector(_mm256_set1_epi8((char)zero), _mm256_loadu_si256((const __m256i *)(q.codes + rp * PAIR + 32 * v)));
+            _mm256_storeu_si256((__m256i *)(bias + rp * 16 + 8 * v), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+        }
+}
+
+/* The offsets, read by the offsets' pass (block_linear.c's DEFINE_OFFSETS): sub-block s of output n has
+ * dmin[s / per, n] * mn[s, n], an exact fp32 product, per = the sub-blocks of a super-block. */
+typedef struct {
+    const int8_t *mn;
+    const float *dmin;
+    int per;
+} SubOffsets;
+#define SUB_OFFSETS_8(o, s, n, N)                                                                               \
+    _mm256_mul_ps(_mm256_loadu_ps((o).dmin + (long)((s) / (o).per) * (N) + (n)),                               \
+                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((o).mn + (long)(s) * (N) + (n))))))
+#define SUB_OFFSETS_1(o, s, n, N) ((o).dmin[(long)((s) / (o).per) * (N) + (n)] * (float)(o).mn[(long)(s) * (N) + (n)])
+DEFINE_OFFSETS(sub_offset_rows, add_sub_offsets, SubOffsets, SUB_OFFSETS_8, SUB_OFFSETS_1)
 
 static inline void nibble_plane(const uint8_t *p, __m256i v[2]) {
     nibble_bytes(p, &v[0], &v[1]);
@@ -87,25 +120,18 @@ static inline void nibble_crumb_planes(const uint8_t *p, __m256i v[2]) {
 #define CODES_5(p, v) nibble_bit_planes(p, v)
 #define CODES_6(p, v) nibble_crumb_planes(p, v)
 
-/* A weight pair: its codes, the lane scales of its first and second 16 weights of each block
- * ([A x4 | B x4]) and its four sub-block offsets [A0, A1, B0, B1]. */
+/* A weight pair of 16-weight sub-blocks: its codes and the lane scales of its first and second 16
+ * weights of each block ([A x4 | B x4]). (32-weight sub-blocks take block_linear.c's BytePair.) */
 typedef struct {
     __m256i c[2];
     __m256 lo, hi;
-    __m128 off;
 } SubPair;
 
-/* The scales of one weight row: fp32 d and dmin per 256, int8 sc and mn per 16. */
+/* The scales of one weight row: fp32 d per 256, int8 sc per sub-block. */
 typedef struct {
-    const float *d, *offset;
-    const int8_t *sc, *mn;
+    const float *d;
+    const int8_t *sc;
 } RowScales;
-
-static inline void spread(SubPair *w, __m128 s4) {
-    const __m256 s = _mm256_castps128_ps256(s4);
-    w->lo = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));
-    w->hi = _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));
-}
 
 static inline __m128 int8x4(const int8_t *p) {
     int32_t four;
@@ -113,109 +139,134 @@ static inline __m128 int8x4(const int8_t *p) {
     return _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(four)));
 }
 
-static inline void k_scales(SubPair *w, RowScales s, int p) {
-    const int g = p / 4; /* 4 pairs a super-block */
-    spread(w, _mm_mul_ps(_mm_set1_ps(s.d[g]), int8x4(s.sc + 4 * p)));
-    w->off = _mm_mul_ps(_mm_set1_ps(s.offset[g]), int8x4(s.mn + 4 * p));
-}
-
-static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int8_t *x, const float *lane_scale) {
-    const __m256i lo = dot_byte_vector(w->c[0], _mm256_loadu_si256((const __m256i *)x));
-    const __m256i hi = dot_byte_vector(w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
-    const __m256 xd = _mm256_loadu_ps(lane_scale);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(w->lo, xd), acc);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(w->hi, xd), acc);
-}
-
-/* fixed-order sum of 4 lanes */
-static inline float hsum4(__m128 s) {
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* One pair of a weight row, its codes as bytes and its sub-block scales. */
-#define DEFINE_SUB_LOAD(NAME, CODES, SCALES, PAIR_BYTES)                                                             \
+/* pair p's codes and scales d * sc */
+#define DEFINE_SUB_LOAD(NAME, CODES, PAIR_BYTES)                                                                    \
     static inline __attribute__((always_inline)) SubPair NAME(const uint8_t *__restrict__ codes, RowScales s, int p) { \
         SubPair w;                                                                                                   \
         CODES(codes + (long)p * PAIR_BYTES, w.c);                                                                    \
-        SCALES(&w, s, p);                                                                                            \
+        const __m256 s4 = _mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(s.d[p / 4]), int8x4(s.sc + 4 * p)));         \
+        w.lo = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2));                              \
+        w.hi = _mm256_permutevar8x32_ps(s4, _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3));                              \
+        return w;                                                                                                    \
+    }
+#define DEFINE_BLOCK_LOAD(NAME, CODES, PAIR_BYTES)                                                                  \
+    static inline __attribute__((always_inline)) BytePair NAME(const uint8_t *__restrict__ codes, RowScales s, int p) { \
+        BytePair w;                                                                                                  \
+        CODES(codes + (long)p * PAIR_BYTES, w.c);                                                                    \
+        uint16_t two;                                                                                                \
+        __builtin_memcpy(&two, s.sc + 2 * p, 2);                                                                     \
+        const __m128 ab = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(two)));                                \
+        w.d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_mul_ps(_mm_set1_ps(s.d[p / 4]), ab)),               \
+                                       _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));                                   \
         return w;                                                                                                    \
     }
 
-/* out[r * N] for `rows` (1 to ROW_TILE, a constant after inlining) input rows from `row` and one weight
- * row: its pairs as loaded (`unpacked`, where the caller unpacked them once for every row tile), else
- * its codes and scales, loaded here */
-#define DEFINE_SUB_TILE(NAME, LOAD, ACCUMULATE, PAIR_BYTES)                                                          \
-    static inline __attribute__((always_inline)) void NAME(ByteRows q, const float *sums, long row, int rows,       \
-                                                           int pairs, const SubPair *__restrict__ unpacked,          \
-                                                           const uint8_t *__restrict__ codes,                        \
-                                                           RowScales s, float *__restrict__ out, long N) {           \
-        __m256 acc[ROW_TILE];                                                                                        \
-        __m128 off[ROW_TILE];                                                                                        \
-        for (int r = 0; r < ROW_TILE; r++) acc[r] = _mm256_setzero_ps(), off[r] = _mm_setzero_ps();                  \
+/* acc += one input row's pair against a pair of 16-weight sub-blocks: each half's products scaled by its
+ * sub-block's scale, their sum by the input's block scales. (A pair of 32-weight sub-blocks takes
+ * block_linear.c's accumulate_bytes.) */
+static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int8_t *x, const float *lane_scale,
+                                    const int32_t *bias) {
+    const __m256i *b = (const __m256i *)bias;
+    const __m256i lo = dot_byte_vector_from(bias ? _mm256_loadu_si256(b) : _mm256_setzero_si256(), w->c[0], _mm256_loadu_si256((const __m256i *)x));
+    const __m256i hi = dot_byte_vector_from(bias ? _mm256_loadu_si256(b + 1) : _mm256_setzero_si256(), w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
+    const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), w->hi, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), w->lo));
+    return _mm256_fmadd_ps(t, _mm256_loadu_ps(lane_scale), acc);
+}
+
+static inline __m256 block_accumulate(__m256 acc, const BytePair *w, const int8_t *x, const float *lane_scale,
+                                      const int32_t *bias) {
+    (void)bias;
+    return accumulate_bytes(acc, w, x, lane_scale);
+}
+
+/* out[r * N + j] for `rows` (1 to ROW_TILE) input rows from `row` and `wrows` (1 to WEIGHT_TILE) weight
+ * rows from n, both constants after inlining: their pairs as loaded (`unpacked`, row j's from unpacked +
+ * j * pairs, where the caller unpacked them once for every row tile), else their codes and scales, loaded
+ * here. As block_linear.c's DEFINE_ROW_TILE, each output keeps its own accumulator. */
+#define DEFINE_SUB_TILE(NAME, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                                                 \
+    static inline __attribute__((always_inline)) void NAME(ByteRows q, const int32_t *bias, long row, int rows,     \
+                                                           int wrows, int pairs,                                     \
+                                                           const PAIR_T *__restrict__ unpacked,                      \
+                                                           const uint8_t *__restrict__ codes, RowScales s,           \
+                                                           int scales_a_row, float *__restrict__ out, long N) {      \
+        __m256 acc[WEIGHT_TILE][ROW_TILE];                                                                           \
+        for (int j = 0; j < WEIGHT_TILE; j++)                                                                        \
+            for (int r = 0; r < ROW_TILE; r++) acc[j][r] = _mm256_setzero_ps();                                      \
         for (int p = 0; p < pairs; p++) {                                                                            \
-            SubPair w;                                                                                               \
+            PAIR_T w[WEIGHT_TILE];                                                                                   \
             if (unpacked) {                                                                                          \
-                w = unpacked[p];                                                                                     \
+                for (int j = 0; j < wrows; j++) w[j] = unpacked[(long)j * pairs + p];                                \
             } else {                                                                                                 \
-                _mm_prefetch((const char *)(codes + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);            \
-                w = LOAD(codes, s, p);                                                                               \
+                for (int j = 0; j < wrows; j++) {                                                                    \
+                    const uint8_t *c = codes + (long)j * pairs * PAIR_BYTES;                                         \
+                    _mm_prefetch((const char *)(c + (long)p * PAIR_BYTES) + PREFETCH_BYTES, _MM_HINT_T0);            \
+                    w[j] = LOAD(c, (RowScales){s.d + j * (pairs / 4), s.sc + j * scales_a_row}, p);                  \
+                }                                                                                                    \
             }                                                                                                        \
             for (int r = 0; r < rows; r++) {                                                                         \
                 const long xp = (row + r) * pairs + p;                                                               \
-                acc[r] = ACCUMULATE(acc[r], &w, q.codes + xp * PAIR, q.lane_scale + xp * 8);                         \
-                off[r] = _mm_fmadd_ps(w.off, _mm_loadu_ps(sums + xp * 4), off[r]);                                   \
+                for (int j = 0; j < wrows; j++)                                                                      \
+                    acc[j][r] = ACCUMULATE(acc[j][r], &w[j], q.codes + xp * PAIR, q.lane_scale + xp * 8,            \
+                                           bias ? bias + xp * 16 : NULL);                                            \
             }                                                                                                        \
         }                                                                                                            \
-        for (int r = 0; r < rows; r++) out[r * N] = hsum(acc[r]) + hsum4(off[r]);                                    \
+        for (int r = 0; r < rows; r++)                                                                               \
+            for (int j = 0; j < wrows; j++) out[r * N + j] = hsum(acc[j][r]);                                        \
     }
 
-/* The scales of weight row n: per super-block and per 16 weights. */
-static inline RowScales row_scales(const float *d, const float *offset, const int8_t *sc, const int8_t *mn,
-                                   long n, int pairs) {
-    return (RowScales){d + n * (pairs / 4), offset + n * (pairs / 4), sc + n * 4 * pairs, mn + n * 4 * pairs};
+/* The scales of weight row n. */
+static inline RowScales row_scales(const float *d, const int8_t *sc, long n, int pairs, int scales_a_row) {
+    return (RowScales){d + n * (pairs / 4), sc + n * scales_a_row};
 }
 
-/* a K-quant weight's pair p of row n, and its tile against row n (block_linear.c's SWEEP_GROUPS, asked
- * for one weight row a tile: wrows is always 1) */
-#define SUB_PAIR(LOAD, TILE, PAIR_BYTES, n, p)                                                             \
-    LOAD(codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, offset, sc, mn, n, pairs), p)
-#define SUB_TILE(LOAD, TILE, PAIR_BYTES, rows, wrows, w, n, r, o)                                         \
-    TILE(q, sums, r, rows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, offset, sc, mn, n, pairs), \
-         o, N)
+/* a K-quant weight's pair p of row n, and its tile against input rows from r (block_linear.c's SWEEP_GROUPS) */
+#define SUB_PAIR(LOAD, TILE, PAIR_BYTES, n, p) \
+    LOAD(codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, sc, n, pairs, S), p)
+#define SUB_TILE(LOAD, TILE, PAIR_BYTES, rows, wrows, w, n, r, o)                                                  \
+    TILE(q, bias, r, rows, wrows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, row_scales(d, sc, n, pairs, S), S, o, N)
 
-/* x [M, K] fp32; codes [N, P * 8 bits]; d, offset [N, K/256] fp32 and sc, mn [N, K/16] int8 as above;
- * out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's unpacked
- * pairs. */
-#define DEFINE_SUB_LINEAR(NAME, TILE, LOAD, PAIR_BYTES)                                                      \
-    int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const float *d, const float *offset, \
+/* x [M, K] fp32; codes [N, P * 8 bits]; d [N, K/256] fp32 and sc [N, S] int8 (S = K / SUB_BLOCK sub-blocks);
+ * dmin [K/256, N] fp32 and mn [S, N] int8; out [M, N] fp32. Returns 0, or -1 without memory for the
+ * activation codes or a thread's unpacked pairs. */
+#define DEFINE_SUB_LINEAR(NAME, TILE, PAIR_T, LOAD, PAIR_BYTES, SUB_BLOCK, ZERO, WEIGHTS)                    \
+    int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const float *d, const float *dmin, \
              const int8_t *__restrict__ sc, const int8_t *__restrict__ mn,                                    \
              float *__restrict__ out, int M, int N, int K, int num_threads) {                                \
-        const int pairs = (K / BLOCK + 1) / 2;                                                               \
+        const int pairs = (K / BLOCK + 1) / 2, S = K / SUB_BLOCK;                                            \
         ByteRows q = {aligned_alloc(64, sizeof(int8_t) * (size_t)M * pairs * PAIR),                          \
-                      aligned_alloc(64, sizeof(float) * (size_t)M * pairs * 8), NULL};                       \
-        float *sums = malloc(sizeof(float) * (size_t)M * pairs * 4);                                         \
-        q.scaled_sum = malloc(sizeof(float) * (size_t)M * pairs * 2);                                        \
-        if (!q.codes || !q.lane_scale || !q.scaled_sum || !sums) {                                           \
-            free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                               \
+                      aligned_alloc(64, sizeof(float) * (size_t)M * pairs * 8),                              \
+                      malloc(sizeof(float) * (size_t)M * pairs * 2)};                                        \
+        float *sums = SUB_BLOCK == BLOCK || ZERO ? q.scaled_sum : malloc(sizeof(float) * (size_t)M * S);     \
+        int32_t *bias = ZERO ? aligned_alloc(64, sizeof(int32_t) * (size_t)M * pairs * 16) : NULL;           \
+        if (!q.codes || !q.lane_scale || !q.scaled_sum || !sums || (ZERO && !bias)) {                        \
+            if (sums != q.scaled_sum) free(sums);                                                            \
+            free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(bias);                               \
             return -1;                                                                                       \
         }                                                                                                    \
         quantize_rows_8bit(x, M, K, q, num_threads);                                                         \
-        sub_block_sums(q, M, pairs, sums, num_threads);                                                      \
-        SWEEP_GROUPS(SubPair, SUB_PAIR, SUB_TILE, LOAD, TILE, PAIR_BYTES, 1)                                 \
-        free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(sums);                                   \
+        if (ZERO) zero_code_bias(q, M, pairs, ZERO, bias, num_threads);                                      \
+        else if (sums != q.scaled_sum) sub_block_sums(q, M, pairs, sums, num_threads);                       \
+        SWEEP_GROUPS(PAIR_T, SUB_PAIR, SUB_TILE, LOAD, TILE, PAIR_BYTES, WEIGHTS)                            \
+        if (!ZERO && !failed) add_sub_offsets(sums, (SubOffsets){mn, dmin, S / (K / 256)}, out, M, N, S, num_threads); \
+        if (sums != q.scaled_sum) free(sums);                                                                \
+        free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(bias);                                   \
         return failed ? -1 : 0;                                                                              \
     }
 
-#define DEFINE_KIND(BITS)                                                           \
-    DEFINE_SUB_LOAD(k##BITS##_load, CODES_##BITS, k_scales, 8 * BITS)                \
-    DEFINE_SUB_TILE(k##BITS##_tile, k##BITS##_load, sub_accumulate, 8 * BITS)        \
-    DEFINE_SUB_LINEAR(k##BITS##_linear_f32, k##BITS##_tile, k##BITS##_load, 8 * BITS)
+/* Q2_K, Q3_K, Q6_K: 16-weight sub-blocks; Q3_K's and Q6_K's offsets in the dot products (ZERO 4, 32) */
+#define DEFINE_SUB_KIND(BITS, ZERO)                                                                \
+    DEFINE_SUB_LOAD(k##BITS##_load, CODES_##BITS, 8 * BITS)                                         \
+    DEFINE_SUB_TILE(k##BITS##_tile, SubPair, k##BITS##_load, sub_accumulate, 8 * BITS)              \
+    DEFINE_SUB_LINEAR(k##BITS##_linear_f32, k##BITS##_tile, SubPair, k##BITS##_load, 8 * BITS, 16, ZERO, WEIGHT_TILE)
+/* Q4_K, Q5_K: 32-weight sub-blocks, so one scale a block as the legacy kinds */
+#define DEFINE_BLOCK_KIND(BITS)                                                                    \
+    DEFINE_BLOCK_LOAD(k##BITS##_load, CODES_##BITS, 8 * BITS)                                       \
+    DEFINE_SUB_TILE(k##BITS##_tile, BytePair, k##BITS##_load, block_accumulate, 8 * BITS)           \
+    DEFINE_SUB_LINEAR(k##BITS##_linear_f32, k##BITS##_tile, BytePair, k##BITS##_load, 8 * BITS, 32, 0, WEIGHT_TILE)
 
-DEFINE_KIND(2)
-DEFINE_KIND(3)
-DEFINE_KIND(4)
-DEFINE_KIND(5)
-DEFINE_KIND(6)
-LINEARS_END
+DEFINE_SUB_KIND(2, 0)
+DEFINE_SUB_KIND(3, 4)
+DEFINE_BLOCK_KIND(4)
+DEFINE_BLOCK_KIND(5)
+DEFINE_SUB_KIND(6, 32)
+AVX512_END
