@@ -6,8 +6,9 @@ Encode calls go to tokenizer_svc with a deadline and jittered retries.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -20,6 +21,8 @@ from llmserve.v1 import inference_pb2 as pb
 from llmserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = structlog.get_logger(__name__)
+
+ReplyT = TypeVar("ReplyT")
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ class TokenizerClient:
         taken over, a wrong address): said clearly, and retried like an absent tokenizer. A call
         that waited its whole timeout for a tokenizer still starting is retried too."""
         try:
-            return await self.stub.GetTokenizerInfo(tokenizer_pb2.TokenizerInfoRequest(model=model_id),
-                                                    timeout=self.timeout_s, wait_for_ready=True)
+            return await self._idempotent(self.stub.GetTokenizerInfo(
+                tokenizer_pb2.TokenizerInfoRequest(model=model_id), timeout=self.timeout_s, wait_for_ready=True))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 logger.error("tokenizer target is not a tokenizer service; retrying", target=self.target,
@@ -73,6 +76,18 @@ class TokenizerClient:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 logger.warning("tokenizer service not reached yet; retrying", target=self.target)
                 raise Unavailable(f"{self.target} did not answer within {self.timeout_s} s") from exc
+            raise
+
+    async def _idempotent(self, call: Awaitable[ReplyT]) -> ReplyT:
+        """A call that may simply be made again: CANCELLED from the channel (our own cancellation
+        raises asyncio.CancelledError instead) means the server went away mid-call, a tokenizer pod
+        stopping or the process that held the port exiting, so it is retried like UNAVAILABLE."""
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                logger.warning("tokenizer call cancelled by its server; retrying", target=self.target)
+                raise Unavailable(f"{self.target} cancelled the call (server going away)") from exc
             raise
 
     def get(self, model_id: str) -> ModelInfo:
@@ -98,8 +113,9 @@ class TokenizerClient:
             with tracing.span("tokenize", {tracing.REQUEST_MODEL: model_id}, tracing.SpanKind.CLIENT):
                 async for attempt in retrying(deadline=deadline):
                     with attempt:
-                        reply = await self.stub.Encode(request, timeout=min(self.timeout_s, remaining(deadline)),
-                                                       metadata=tracing.outgoing_metadata())
+                        reply = await self._idempotent(self.stub.Encode(
+                            request, timeout=min(self.timeout_s, remaining(deadline)),
+                            metadata=tracing.outgoing_metadata()))
         except grpc.aio.AioRpcError as exc:
             caller_left = caller_deadline is None or time.monotonic() < caller_deadline
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and caller_left:
