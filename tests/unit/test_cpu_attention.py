@@ -77,12 +77,12 @@ def test_prefill_matches_the_reference(chunks, contexts):
     torch.testing.assert_close(out[:sum(chunks)], ref[:sum(chunks)], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize("head_dim", [64, 32, 20])
 def test_a_prefill_token_is_the_same_bits_as_that_token_decoded(head_dim):
     """Token i of a prefill chunk attends exactly as a decode step at its position would, so
     chunking, a prefix hit and the step after a preemption all see the same bits. A chunk's tokens
     share their reads in tiles of 4 whose contexts straddle the vector paths' groups of 8 and 4 tokens
-    (head size 20: the scalar paths)."""
+    (head size 32: the vector paths off the usual size; 20: the scalar paths)."""
     chunks, contexts = [12, 30], [12, 47]
     q, k, v, tables, starts, ctx = prefill_case(chunks, contexts, seed=8, head_dim=head_dim)
     out = cpu_attention.paged_prefill_attention(q, k, v, tables, starts, ctx, 0.125)

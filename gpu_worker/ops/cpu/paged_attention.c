@@ -154,7 +154,51 @@ static inline __m256 sum_lanes8(const __m256 v[8]) {
 }
 #endif
 
-#define QUERY_TILE 4 /* queries of one sequence at consecutive positions that share each K and V row read */
+#if defined(SCORE_VECTORS) && defined(AVX512_REGIONS)
+/* Two queries' scores against SCORE_TOKENS tokens, every head, where AVX-512 gives 32 vector registers:
+ * each load of a K row's 8 floats serves both queries (one query at a time loaded K and q once an
+ * fma each, and that bound the scores). A score takes dot_lanes' fma in order and sum_lanes8's sums,
+ * so it is the same bits as one query's alone. sa and sb: the two queries' score rows of head 0 at
+ * the block's first token (head j's `stride` floats on), max_a and max_b their running maxima. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,prefer-vector-width=256")
+static inline __attribute__((always_inline)) void score_pair_d(const float *__restrict__ qa, const float *__restrict__ qb,
+                                                               const float *const *k, const int head_dim, __m256 *sa,
+                                                               __m256 *sb) {
+    __m256 la[SCORE_TOKENS], lb[SCORE_TOKENS];
+    for (int u = 0; u < SCORE_TOKENS; u++) la[u] = lb[u] = _mm256_setzero_ps();
+    for (int c = 0; c < head_dim; c += 8) {
+        const __m256 a = _mm256_loadu_ps(qa + c), b = _mm256_loadu_ps(qb + c);
+        for (int u = 0; u < SCORE_TOKENS; u++) {
+            const __m256 kc = _mm256_loadu_ps(k[u] + c);
+            la[u] = _mm256_fmadd_ps(a, kc, la[u]);
+            lb[u] = _mm256_fmadd_ps(b, kc, lb[u]);
+        }
+    }
+    *sa = sum_lanes8(la), *sb = sum_lanes8(lb);
+}
+
+static void score_pair(const float *qa, const float *qb, const float *const *k, int num_heads, int group, int head_dim,
+                       float scale, float *sa, float *sb, long stride, __m256 *max_a, __m256 *max_b) {
+    for (int j = 0; j < num_heads; j++) {
+        const long at = (long)(j / group) * head_dim;
+        const float *kj[SCORE_TOKENS];
+        for (int u = 0; u < SCORE_TOKENS; u++) kj[u] = k[u] + at;
+        __m256 a, b;
+        if (head_dim == 64)
+            score_pair_d(qa + (long)j * head_dim, qb + (long)j * head_dim, kj, 64, &a, &b);
+        else
+            score_pair_d(qa + (long)j * head_dim, qb + (long)j * head_dim, kj, head_dim, &a, &b);
+        a = _mm256_mul_ps(a, _mm256_set1_ps(scale)), b = _mm256_mul_ps(b, _mm256_set1_ps(scale));
+        _mm256_storeu_ps(sa + j * stride, a), _mm256_storeu_ps(sb + j * stride, b);
+        max_a[j] = _mm256_max_ps(max_a[j], a), max_b[j] = _mm256_max_ps(max_b[j], b);
+    }
+}
+#pragma GCC pop_options
+#define SCORE_PAIRS 1
+#endif
+
+#define QUERY_TILE 16 /* queries of one sequence at consecutive positions that share each K and V row read */
 
 /* A tile of n (1 to QUERY_TILE) queries (all heads) of one sequence at consecutive positions: query i
  * sees context_len + i tokens. Per query and head the arithmetic is a dot product per token in
@@ -164,8 +208,9 @@ static inline __m256 sum_lanes8(const __m256 v[8]) {
  * What the tile shares is the reads: K and V are each walked once for the whole tile, token by
  * token, every head of the token at once, so the cache lines of a block are read in order (a block's
  * rows of all KV heads are contiguous) and a few tokens ahead are prefetched across blocks and pages.
- * A prefill chunk's tokens come in tiles, so its context is read a quarter as often as one query at
- * a time (at 1,500 tokens, 3 KV heads of 64, that is 2.3 MB a layer and query: no L2 holds it). */
+ * A prefill chunk's tokens come in tiles, so its context is read a sixteenth as often as one query at
+ * a time (at 1,500 tokens, 3 KV heads of 64, that is 2.3 MB a layer and query: no L2 holds it), and in
+ * the AVX-512 build the scores go two queries at a time (score_pair). */
 static inline __attribute__((always_inline)) void attend_tile_d(
     const float *__restrict__ q,       /* [n, Hq, D] */
     const float *__restrict__ k_cache,  /* [num_blocks, bs, Hk, D] */
@@ -195,8 +240,14 @@ static inline __attribute__((always_inline)) void attend_tile_d(
         for (int t = 0; t < end[n - 1]; t += SCORE_TOKENS) {
             const float *k[SCORE_TOKENS];
             for (int u = 0; u < SCORE_TOKENS; u++) k[u] = walk_row(k_cache, table, t + u, last, block_size, row_stride);
-            for (int i = 0; i < n; i++) {
-                if (t >= end[i]) continue; /* query i's blocks ended */
+            int i = 0;
+            while (t >= end[i]) i++; /* queries below i: their blocks ended (end[] grows with i) */
+#ifdef SCORE_PAIRS
+            for (; i + 2 <= n; i += 2)
+                score_pair(q + i * query_stride, q + (i + 1) * query_stride, k, num_heads, group, head_dim, scale,
+                           SCORES(i, 0) + t, SCORES(i + 1, 0) + t, last, max8[i], max8[i + 1]);
+#endif
+            for (; i < n; i++) {
                 for (int j = 0; j < num_heads; j++) {
                     const float *qj = q + i * query_stride + (long)j * head_dim;
                     const long at = (long)(j / group) * head_dim;
