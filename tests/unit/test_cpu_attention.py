@@ -81,8 +81,9 @@ def test_prefill_matches_the_reference(chunks, contexts):
 def test_a_prefill_token_is_the_same_bits_as_that_token_decoded(head_dim):
     """Token i of a prefill chunk attends exactly as a decode step at its position would, so
     chunking, a prefix hit and the step after a preemption all see the same bits. A chunk's tokens
-    share their reads in tiles of 4 whose contexts straddle the vector paths' groups of 8 and 4 tokens
-    (head size 32: the vector paths off the usual size; 20: the scalar paths)."""
+    share their reads in tiles of up to 16 (their scores two queries at a time in the AVX-512 build,
+    an odd one alone) whose contexts straddle the vector paths' groups of 8 tokens (head size 32: the
+    vector paths off the usual size; 20: the scalar paths)."""
     chunks, contexts = [12, 30], [12, 47]
     q, k, v, tables, starts, ctx = prefill_case(chunks, contexts, seed=8, head_dim=head_dim)
     out = cpu_attention.paged_prefill_attention(q, k, v, tables, starts, ctx, 0.125)
