@@ -11,7 +11,8 @@ same shapes. Writes bench/results/weight_formats/threads<N>.json.
     PYTHONPATH=$PWD .venv/bin/python -m bench.weight_formats --model FILE.gguf --llama-server PATH [--rounds 5]
 
 With --llama-server: llmserve's engine (built as the worker builds it, `--quantization auto`, 2
-threads) against llama.cpp's `llama-server` (-t 2, one slot per stream) on the same GGUF, in
+threads, its defaults: greedy decoding at 1 stream drafts by prompt lookup) against llama.cpp's
+`llama-server` (-t 2, one slot per stream, `--llama-args`: -tb 2 --poll 0) on the same GGUF, in
 alternating rounds (odd rounds llmserve first, even rounds llama-server first), the same random
 token ids to both: decode tok/s at 1 and 16 streams (per stream: tokens after its first over the
 time from its first token to its last, summed over the streams; llama-server's own `timings`) and
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "weight_formats"))
     parser.add_argument("--model", default="", help="a GGUF file (with --llama-server)")
     parser.add_argument("--llama-server", default="", help="llama-server binary: engine vs llama-server on --model")
+    parser.add_argument("--llama-args", default="-tb 2 --poll 0", help="llama-server flags beside -t 2 and the slots")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", default="1,16")
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -181,11 +183,11 @@ class LlamaServerSide:
 
     name = "llama-server"
 
-    def __init__(self, binary: str, model: str, slots: int, slot_tokens: int, log: Path) -> None:
+    def __init__(self, binary: str, model: str, slots: int, slot_tokens: int, flags: str, log: Path) -> None:
         from bench.openai_standard import LlamaServer
 
         self.server = LlamaServer(binary, Path(model), slots, slot_tokens,
-                                  argparse.Namespace(llama_threads=2, llama_args="-tb 2"), log)
+                                  argparse.Namespace(llama_threads=2, llama_args=flags), log)
         self.url = self.server.url
         self.server.wait_ready()
         self._complete([1, 2, 3, 4, 5, 6, 7, 8], 2)  # warm-up, as the engine's
@@ -232,7 +234,8 @@ def engine_vs_llama_server(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sides = [EngineSide(args.model), LlamaServerSide(args.llama_server, args.model, max(streams),
-                                                     args.prefill_tokens + 16, Path(tempfile.gettempdir()) / "llama_server.log")]
+                                                     args.prefill_tokens + 16, args.llama_args,
+                                                     Path(tempfile.gettempdir()) / "llama_server.log")]
     rounds = []
     try:
         for side in sides:
@@ -253,7 +256,7 @@ def engine_vs_llama_server(args: argparse.Namespace) -> None:
     report = {
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": machine_info(),
         "model": model_identity(Path(args.model)),
-        "llama_server": {"command": sides[1].command, "version": (version.stdout + version.stderr).strip(),
+        "llama_server": {"command": sides[1].server.command, "version": (version.stdout + version.stderr).strip(),
                          "build_options": cmake_options(Path(args.llama_server))},
         "workload": {"streams": streams, "prompt_tokens": 16, "decode_tokens": args.decode_tokens,
                      "prefill_tokens": args.prefill_tokens, "rounds": args.rounds, "greedy": True},
