@@ -345,7 +345,8 @@ def print_levels(name: str, rows: list[dict], args: argparse.Namespace, slo: str
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="", help="base URL of a running endpoint (default: start a stack)")
+    parser.add_argument("--target", default="", help="base URL of a running endpoint that serves the model id "
+                        f"{MODEL} (`llmserve up --model {MODEL}=PATH`; default: start a stack)")
     parser.add_argument("--api-key", default="dev-key")
     parser.add_argument("--model", default=MODEL, help="the GGUF both servers serve: a path, or the default "
                         f"{MODEL} (a SmolLM2 file: the bench's tokenizer directory names its special tokens)")
