@@ -20,7 +20,7 @@ from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.cpu.backend import CpuBackend
 from gpu_worker.ops.weights.gguf_weight import RowsWeight
-from gpu_worker.ops.weights.quantized_linear import KQuantWeight, Q4_1Weight, Q5_1Weight, Q8_0Weight
+from gpu_worker.ops.weights.quantized_linear import KQuantWeight, Q4_0Weight, Q4_1Weight, Q5_0Weight, Q8_0Weight
 from gpu_worker.runner.cpu_step_layers import StepLayers
 from gpu_worker.runner.model_runner import ModelRunner
 from tests.unit.gguf_random import random_blocks
@@ -154,9 +154,9 @@ def test_a_k_quant_mix_keeps_its_formats_and_gives_the_dequantized_logits(tmp_pa
     first, second = model.layers
     assert isinstance(first.qkv_weight, RowsWeight)  # Q4_K, Q3_K and Q6_K rows
     assert type(first.o_weight) is KQuantWeight and type(first.gate_up_weight) is KQuantWeight
-    assert type(first.down_weight) is Q5_1Weight  # Q5_0
+    assert type(first.down_weight) is Q5_0Weight
     assert type(second.qkv_weight) is Q8_0Weight  # Q5_0 Q and K beside a Q8_0 V: one weight of Q8_0 blocks
-    assert type(second.o_weight) is Q4_1Weight  # Q4_0
+    assert type(second.o_weight) is Q4_0Weight
     assert isinstance(second.gate_up_weight, RowsWeight)  # Q5_1 gate beside a Q4_1 up
     assert second.down_weight.is_mkldnn and model.lm_head.is_mkldnn  # BF16 and F16: prepacked fp32
     assert StepLayers.build(model) is None  # parts of several formats in one weight: the Python path runs

@@ -23,7 +23,8 @@ from gpu_worker.ops.cpu import kquant_linear
 from gpu_worker.ops.cpu.backend import CpuBackend
 from gpu_worker.ops.weights import gguf_blocks, gguf_weight, packed_linear, quantized_linear
 from gpu_worker.ops.weights.gguf_weight import FileTensor
-from gpu_worker.ops.weights.quantized_linear import Int4Weight, Int8Weight, KQuantWeight, Q4_1Weight, Q5_1Weight, Q8_0Weight
+from gpu_worker.ops.weights.quantized_linear import (Int4Weight, Int8Weight, KQuantWeight, Q4_0Weight, Q4_1Weight, Q5_0Weight,
+                                                     Q5_1Weight, Q8_0Weight)
 from tests.unit.gguf_random import random_blocks
 
 FORMATS = sorted(quantized_linear.FORMATS)
@@ -44,7 +45,8 @@ def q8_0_code_max() -> int:
 
 
 # the largest activation code of each C kernel's input rows (block_linear.c, kquant_linear.c)
-CODE_MAX = {Q4_1Weight: 127, Q5_1Weight: 127, Q8_0Weight: q8_0_code_max(), KQuantWeight: 127}
+CODE_MAX = {Q4_0Weight: 127, Q4_1Weight: 127, Q5_0Weight: 127, Q5_1Weight: 127, Q8_0Weight: q8_0_code_max(),
+            KQuantWeight: 127}
 
 
 def on_code_grid(x: torch.Tensor, code_max: int) -> torch.Tensor:
@@ -259,7 +261,7 @@ def test_file_blocks_run_on_the_c_kernels_and_follow_the_dequantized_weight(ggml
     """Against x @ W.T in float64 with x on the kernel's code grid and W gguf's own dequantization: the
     kernels' only other rounding is fp32 sums (~1e-7 relative), so 1e-6 relative is some 5x that; a
     wrong code, scale or sub-block is ~1."""
-    blocks = {gguf_blocks.T.Q4_0: Q4_1Weight, gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q5_0: Q5_1Weight,
+    blocks = {gguf_blocks.T.Q4_0: Q4_0Weight, gguf_blocks.T.Q4_1: Q4_1Weight, gguf_blocks.T.Q5_0: Q5_0Weight,
               gguf_blocks.T.Q5_1: Q5_1Weight, gguf_blocks.T.Q8_0: Q8_0Weight}
     expected = blocks.get(ggml_type, KQuantWeight)
     for k in widths(ggml_type):
@@ -285,10 +287,10 @@ def test_file_blocks_take_about_the_files_bytes():
     """K types keep their codes at the type's own bits and their two-level scales: int8 sc and mn per
     sub-block, fp32 d and dmin per 256, so 1.25 bits a weight more with 16-weight sub-blocks and 0.75 with
     Q4_K's and Q5_K's 32, and Q3_K and Q6_K, whose offsets follow from their scales, 0.625 (no mn, dmin);
-    Q5_1 takes the file's own bytes (fp16 d and m per 32). Q4_0 and Q5_0 add an fp16 m (their -8 d and
-    -16 d) to their bytes as Q4_1 and Q5_1."""
+    the legacy types take their files' own bytes (fp16 d, and for Q4_1 and Q5_1 m, per 32)."""
     n, k = 64, 512
-    bits = {gguf_blocks.T.Q4_0: 4 + 1.0, gguf_blocks.T.Q5_0: 5 + 1.0, gguf_blocks.T.Q5_1: 5 + 1.0,
+    bits = {gguf_blocks.T.Q4_0: 4 + 0.5, gguf_blocks.T.Q4_1: 4 + 1.0, gguf_blocks.T.Q5_0: 5 + 0.5,
+            gguf_blocks.T.Q5_1: 5 + 1.0,
             **{t: gguf_blocks.BITS[t] + 1.25 for t in gguf_blocks.K_TYPES},
             gguf_blocks.T.Q3_K: 3 + 0.625, gguf_blocks.T.Q4_K: 4 + 0.75, gguf_blocks.T.Q5_K: 5 + 0.75,
             gguf_blocks.T.Q6_K: 6 + 0.625}
@@ -297,7 +299,7 @@ def test_file_blocks_take_about_the_files_bytes():
 
 
 @needs_kquant_kernel
-@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q5_1, gguf_blocks.T.Q4_K, gguf_blocks.T.Q6_K],
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q5_0, gguf_blocks.T.Q5_1, gguf_blocks.T.Q4_K, gguf_blocks.T.Q6_K],
                          ids=lambda t: t.name)
 def test_file_block_rows_do_not_depend_on_the_batch_or_the_thread_count(ggml_type):
     weight = gguf_weight.cpu_weight([file_tensor(ggml_type, 1000, 768, seed=5)])
@@ -348,21 +350,23 @@ def test_legacy_parts_that_become_one_block_kind_are_one_weight():
 
 
 @needs_kquant_kernel
-def test_a_q4_0_block_whose_offset_overflows_fp16_runs_as_q8_0():
-    """Q4_0's offset -8 d is Q4_1's fp16 m only while 8 d fits fp16; past that the codes go to Q8_0."""
+def test_a_q4_0_block_whose_offset_would_overflow_fp16_keeps_its_own_kind():
+    """Q4_0's offset -8 d overflows fp16 where d > 8,188; the kernel takes it as the zero code 8 in the
+    integer dot products, so no fp16 offset exists to overflow."""
     t = file_tensor(gguf_blocks.T.Q4_0, 4, 64, 7)
     t.data[0, 0:2] = np.frombuffer(np.float16(9000.0).tobytes(), dtype=np.uint8)  # row 0, block 0: d = 9000
     weight = gguf_weight.cpu_weight([t])
-    assert type(weight) is Q8_0Weight
+    assert type(weight) is Q4_0Weight
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
-    ref = on_code_grid(x, CODE_MAX[Q8_0Weight]) @ t.dequantize().double().t()
+    ref = on_code_grid(x, CODE_MAX[Q4_0Weight]) @ t.dequantize().double().t()
     assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-6
 
 
 @needs_kquant_kernel
 @pytest.mark.skipif(cpu_kernels.cpu_isa() == "avx2", reason="this CPU runs the AVX2 build only")
-@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q4_1, gguf_blocks.T.Q5_1, gguf_blocks.T.Q2_K, gguf_blocks.T.Q3_K,
-                                       gguf_blocks.T.Q4_K, gguf_blocks.T.Q5_K, gguf_blocks.T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [gguf_blocks.T.Q4_0, gguf_blocks.T.Q4_1, gguf_blocks.T.Q5_0, gguf_blocks.T.Q5_1,
+                                       gguf_blocks.T.Q2_K, gguf_blocks.T.Q3_K, gguf_blocks.T.Q4_K, gguf_blocks.T.Q5_K,
+                                       gguf_blocks.T.Q6_K], ids=lambda t: t.name)
 def test_this_cpus_build_gives_the_bits_of_the_avx2_build(ggml_type, monkeypatch):
     """VNNI fuses the integer multiply-adds, not their sums, and AVX-512 masks place the same bits of a
     Q3/Q5 code: each kind on 8-bit input codes gives the same bits (Q8_0 takes 8-bit codes with VNNI,

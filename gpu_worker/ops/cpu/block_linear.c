@@ -1,5 +1,5 @@
-/* Linear layers over GGUF's blocks of 32 on the CPU (Q4_0 and Q4_1 as Q4_1, Q5_1, Q5_0 and Q8_0 as
- * Q8_0): fp32 activations in, fp32 out, integer dot products inside.
+/* Linear layers over GGUF's blocks of 32 on the CPU (Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0): fp32 activations
+ * in, fp32 out, integer dot products inside.
  *
  * Built by gpu_worker/ops/cpu/build.py with the system C compiler, called through ctypes.
  * A weight [N, K] is N rows of G = K/32 blocks of 32 weights, each row padded to P = ceil(G/2)
@@ -9,9 +9,10 @@
  *         a GGUF Q4_1 block has them; w = code * d + m
  *   Q5_1: those 32 bytes of the low four bits, then 8 bytes of fifth bits: A's 4, then B's; byte c
  *         holds the bit of weights 8c..8c+7 at bits 0..7; w = code * d + m
+ *   Q4_0, Q5_0: Q4_1's and Q5_1's bytes; w = (code - zero) * d, zero 8 and 16
  *   Q8_0: 64 bytes: the four 16-byte chunks [A 8c..8c+7, B 8c..8c+7] of int8 codes; w = code * d
  * Beside them, per row and block: d [N, 2P] fp16 and, for Q4_1 and Q5_1, m [2P, N] fp16, a column a
- * row (a GGUF block's own scale and offset, exactly; Q4_0's m is -8 d).
+ * row (a GGUF block's own scale and offset, exactly).
  *
  * Each call first quantizes its input rows in blocks of 32 (x ~ xcode * xd, xd = max |x| / code max)
  * into codes stored in the same pair order:
@@ -23,7 +24,9 @@
  *     16-bit codes (about 5 significant digits), widened weight codes and 16-bit multiply-adds: for
  *     signed weights, 8-bit input codes need a sign instruction a vector on top, and were no faster.
  * Either way a pair's products sum into int32 lanes 0-3 for block A and 4-7 for block B, scaled
- * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. Q4_1 and Q5_1 then add the sum
+ * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. For Q4_0 and Q5_0 each lane's sum
+ * starts at -zero * the sum of its input codes (zero_code_bias, once a call), so it ends at the dot
+ * product of the signed codes (code - zero): no offsets and no pass for them. Q4_1 and Q5_1 then add the sum
  * over blocks of m * xd * sum(xcode) in a pass of their own (DEFINE_OFFSETS), 8 outputs a vector with
  * each output's operations those of its own short dot product: computed one output at a time after
  * its sums it was a third of a linear's time.
@@ -113,13 +116,13 @@ static inline __m256i dot_byte_vector_from(__m256i acc, __m256i u, __m256i s) {
 
 static inline __m256i dot_byte_vector(__m256i u, __m256i s) { return dot_byte_vector_from(_mm256_setzero_si256(), u, s); }
 
-/* the same over two vector pairs, u0 * s0 + u1 * s1. Without VNNI a 16-bit lane holds 4 products. */
-static inline __m256i dot_bytes(__m256i u0, __m256i s0, __m256i u1, __m256i s1) {
+/* the same over two vector pairs, acc + u0 * s0 + u1 * s1. Without VNNI a 16-bit lane holds 4 products. */
+static inline __m256i dot_bytes_from(__m256i acc, __m256i u0, __m256i s0, __m256i u1, __m256i s1) {
 #ifdef DPBUSD
-    return DPBUSD(DPBUSD(_mm256_setzero_si256(), u0, s0), u1, s1);
+    return DPBUSD(DPBUSD(acc, u0, s0), u1, s1);
 #else
     const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
-    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(s, _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -227,6 +230,28 @@ static inline void place_bytes(int8_t *__restrict__ pair, int half, const int co
 DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, place_words, 0)
 DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, place_bytes, 0)
 
+/* For weights whose offset is -zero * scale (w = scale * (code - zero)): per input row and pair of 8-bit
+ * codes [M, P * 64], -zero * the sum of the input codes in each int32 lane of the pair's two vectors of
+ * dot products, so that a lane's sum starts there and ends at the dot product of the signed codes
+ * (code - zero) with the input's. `vectors` 1: one 8-lane bias a pair, the two vectors' lanes added (all
+ * 32 products of a block take its one scale: Q4_0, Q5_0); 2: one a vector (kquant_linear.c's 16-weight
+ * sub-blocks, each scaled apart). */
+static void zero_code_bias(const int8_t *codes, int M, int pairs, int zero, int vectors, int32_t *__restrict__ bias,
+                           int num_threads) {
+    _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * QUANTIZE_ROWS_A_THREAD)")
+    for (long rp = 0; rp < (long)M * pairs; rp++) {
+        const __m256i z = _mm256_set1_epi8((char)zero), none = _mm256_setzero_si256();
+        const __m256i lo = dot_byte_vector(z, _mm256_loadu_si256((const __m256i *)(codes + rp * PAIR)));
+        const __m256i hi = dot_byte_vector(z, _mm256_loadu_si256((const __m256i *)(codes + rp * PAIR + 32)));
+        if (vectors == 1) {
+            _mm256_storeu_si256((__m256i *)(bias + rp * 8), _mm256_sub_epi32(none, _mm256_add_epi32(lo, hi)));
+        } else {
+            _mm256_storeu_si256((__m256i *)(bias + rp * 16), _mm256_sub_epi32(none, lo));
+            _mm256_storeu_si256((__m256i *)(bias + rp * 16 + 8), _mm256_sub_epi32(none, hi));
+        }
+    }
+}
+
 /* A weight pair widened to four vectors of 16 int16 codes (the layout above) and its lane
  * scales [d_A x4 | d_B x4] in fp32. */
 typedef struct {
@@ -305,8 +330,11 @@ static inline BytePair load_q5_1(const uint8_t *codes, const uint16_t *d) {
 }
 
 /* acc += (w . x) * [d xd] for one pair of one input row's 16-bit codes. Every partial integer sum is
- * below 2^24 (|w| <= 127, |x| <= 2^15 - 1, 16 products a lane), so the int32 -> fp32 conversion is exact. */
-static inline __m256 accumulate_words(__m256 acc, const Pair *w, const int16_t *x, const float *lane_scale) {
+ * below 2^24 (|w| <= 127, |x| <= 2^15 - 1, 16 products a lane), so the int32 -> fp32 conversion is exact.
+ * (Q8_0 has no zero code: `bias` is NULL, as for every accumulate but accumulate_bytes.) */
+static inline __m256 accumulate_words(__m256 acc, const Pair *w, const int16_t *x, const float *lane_scale,
+                                      const int32_t *bias) {
+    (void)bias;
     const __m256i *v = (const __m256i *)x;
     const __m256i s = _mm256_add_epi32(dot_words(w->c[0], _mm256_loadu_si256(v), w->c[1], _mm256_loadu_si256(v + 1)),
                                        dot_words(w->c[2], _mm256_loadu_si256(v + 2), w->c[3], _mm256_loadu_si256(v + 3)));
@@ -314,12 +342,15 @@ static inline __m256 accumulate_words(__m256 acc, const Pair *w, const int16_t *
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
 }
 
-/* The same for unsigned byte codes (at most 31) and 8-bit input codes: a 16-bit lane of the two
- * multiply-adds' sum holds 4 products of at most 31 * 127 and an int32 lane 8, so nothing saturates
- * and the conversion is exact. */
-static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_t *x, const float *lane_scale) {
-    const __m256i s = dot_bytes(w->c[0], _mm256_loadu_si256((const __m256i *)x),
-                                w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
+/* The same for unsigned byte codes (at most 31) and 8-bit input codes, each lane's sum from its zero code
+ * bias (NULL: none): a 16-bit lane of the two multiply-adds' sum holds 4 products of at most 31 * 127 and
+ * an int32 lane 8 and the bias of 8 codes, at most 8 * 16 * 127, so nothing saturates and the conversion
+ * is exact. */
+static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_t *x, const float *lane_scale,
+                                      const int32_t *bias) {
+    const __m256i start = bias ? _mm256_loadu_si256((const __m256i *)bias) : _mm256_setzero_si256();
+    const __m256i s = dot_bytes_from(start, w->c[0], _mm256_loadu_si256((const __m256i *)x),
+                                     w->c[1], _mm256_loadu_si256((const __m256i *)(x + 32)));
     const __m256 scale = _mm256_mul_ps(w->d, _mm256_loadu_ps(lane_scale));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
 }
@@ -327,10 +358,11 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 /* out[r * N + j] for `rows` (1 to ROW_TILE) input rows from `row` and `wrows` (1 to WEIGHT_TILE) weight
  * rows from the one given, both constants after inlining: their pairs as loaded (`unpacked`, row j's from
  * unpacked + j * pairs, where the caller unpacked them once for every row tile), else their codes and
- * d, loaded here (row j's P pairs after row j - 1's). Each output keeps its own accumulator, so its operations do not depend
- * on the tile it falls in. */
+ * d, loaded here (row j's P pairs after row j - 1's); `bias` the input rows' zero code bias [M, P * 8]
+ * or NULL. Each output keeps its own accumulator, so its operations do not depend on the tile it falls in. */
 #define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
-    static inline __attribute__((always_inline)) void NAME(ROWS q, long row, int rows, int wrows, int pairs, \
+    static inline __attribute__((always_inline)) void NAME(ROWS q, const int32_t *bias, long row, int rows,   \
+                                                           int wrows, int pairs,                             \
                                                            const PAIR_T *__restrict__ unpacked,              \
                                                            const uint8_t *__restrict__ codes,                \
                                                            const uint16_t *__restrict__ d,                   \
@@ -352,7 +384,8 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
             for (int r = 0; r < rows; r++) {                                                                 \
                 const long xp = (row + r) * pairs + p;                                                       \
                 for (int j = 0; j < wrows; j++)                                                              \
-                    acc[j][r] = ACCUMULATE(acc[j][r], &w[j], q.codes + xp * PAIR, q.lane_scale + xp * 8);    \
+                    acc[j][r] = ACCUMULATE(acc[j][r], &w[j], q.codes + xp * PAIR, q.lane_scale + xp * 8,      \
+                                           bias ? bias + xp * 8 : NULL);                                     \
             }                                                                                                \
         }                                                                                                    \
         /* the scales: 2 bytes a block against the codes' 16 or 32 */                                        \
@@ -363,6 +396,8 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 
 DEFINE_ROW_TILE(q4_1_tile, ByteRows, BytePair, load_q4_1, accumulate_bytes, Q4_1_PAIR_BYTES)
 DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1_PAIR_BYTES)
+#define Q4_0_ZERO 8
+#define Q5_0_ZERO 16
 
 /* The body of a linear's call after its input is quantized: the weight rows in groups of GROUP_ROWS
  * over the threads, each group's row tiles in turn. Where the input has more than one row tile, a
@@ -426,7 +461,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
 #define BLOCK_PAIR(LOAD, TILE, PAIR_BYTES, n, p)                                                           \
     LOAD(codes + ((long)(n) * pairs + (p)) * PAIR_BYTES, d + (long)(n) * 2 * pairs + 2 * (p))
 #define BLOCK_TILE(LOAD, TILE, PAIR_BYTES, rows, wrows, w, n, r, o)                                       \
-    TILE(q, r, rows, wrows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
+    TILE(q, bias, r, rows, wrows, pairs, w, codes + (long)(n) * pairs * PAIR_BYTES, d + (long)(n) * 2 * pairs, o, N)
 
 /* The offsets' pass: out[r, n] += the sum over s of m[s, n] * ss[r, s], ss a row's xd * sum(xcode) per
  * block (or per sub-block: kquant_linear.c's 16-weight scales), m the offsets as read by OFFSETS_T's
@@ -495,28 +530,32 @@ typedef struct {
 DEFINE_OFFSETS(half_offset_rows, add_half_offsets, HalfOffsets, HALF_OFFSETS_8, HALF_OFFSETS_1)
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [2P, N] fp16 (Q4_1, Q5_1) or NULL
- * (Q8_0); out [M, N] fp32. Returns 0, or -1 without memory for the activation codes or a thread's
- * unpacked pairs. */
-#define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_T, LOAD, PAIR_BYTES)                                \
+ * (Q4_0, Q5_0, Q8_0); out [M, N] fp32. ZERO: the kind's zero code (Q4_0, Q5_0), else 0. Returns 0, or -1
+ * without memory for the activation codes or a thread's unpacked pairs. */
+#define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_T, LOAD, PAIR_BYTES, ZERO)                          \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
              const uint16_t *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \
         const int pairs = (K / BLOCK + 1) / 2;                                                               \
         ROWS q = {aligned_alloc(64, sizeof(*q.codes) * (size_t)M * pairs * PAIR),                             \
                   aligned_alloc(64, sizeof(float) * (size_t)M * pairs * 8),                                  \
                   malloc(sizeof(float) * (size_t)M * pairs * 2)};                                            \
-        if (!q.codes || !q.lane_scale || !q.scaled_sum) {                                                    \
-            free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                           \
+        int32_t *bias = ZERO ? aligned_alloc(64, sizeof(int32_t) * (size_t)M * pairs * 8) : NULL;            \
+        if (!q.codes || !q.lane_scale || !q.scaled_sum || (ZERO && !bias)) {                                 \
+            free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(bias);                               \
             return -1;                                                                                       \
         }                                                                                                    \
         QUANTIZE(x, M, K, q, num_threads);                                                                   \
+        if (ZERO) zero_code_bias((const int8_t *)q.codes, M, pairs, ZERO, 1, bias, num_threads);             \
         SWEEP_GROUPS(PAIR_T, BLOCK_PAIR, BLOCK_TILE, LOAD, TILE, PAIR_BYTES, WEIGHT_TILE)                    \
         if (offsets && !failed) add_half_offsets(q.scaled_sum, (HalfOffsets){offsets}, out, M, N, 2 * pairs, num_threads); \
-        free(q.codes), free(q.lane_scale), free(q.scaled_sum);                                               \
+        free(q.codes), free(q.lane_scale), free(q.scaled_sum), free(bias);                                   \
         return failed ? -1 : 0;                                                                              \
     }
 
-DEFINE_LINEAR(q4_1_linear_f32, q4_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q4_1, Q4_1_PAIR_BYTES)
-DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q5_1, Q5_1_PAIR_BYTES)
+DEFINE_LINEAR(q4_1_linear_f32, q4_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q4_1, Q4_1_PAIR_BYTES, 0)
+DEFINE_LINEAR(q4_0_linear_f32, q4_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q4_1, Q4_1_PAIR_BYTES, Q4_0_ZERO)
+DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q5_1, Q5_1_PAIR_BYTES, 0)
+DEFINE_LINEAR(q5_0_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q5_1, Q5_1_PAIR_BYTES, Q5_0_ZERO)
 
 #ifdef DPBUSD
 /* Q8_0 on 8-bit codes where VNNI takes their products without saturating: the input codes + 128 as
@@ -542,7 +581,9 @@ static inline SignedPair load_q8_0(const uint8_t *codes, const uint16_t *d) {
     return p;
 }
 
-static inline __m256 accumulate_shifted(__m256 acc, const SignedPair *w, const int8_t *x, const float *lane_scale) {
+static inline __m256 accumulate_shifted(__m256 acc, const SignedPair *w, const int8_t *x, const float *lane_scale,
+                                        const int32_t *bias) {
+    (void)bias;
     const __m256i s = DPBUSD(DPBUSD(w->bias, _mm256_loadu_si256((const __m256i *)x), w->c[0]),
                              _mm256_loadu_si256((const __m256i *)(x + 32)), w->c[1]);
     const __m256 scale = _mm256_mul_ps(w->d, _mm256_loadu_ps(lane_scale));
@@ -550,7 +591,7 @@ static inline __m256 accumulate_shifted(__m256 acc, const SignedPair *w, const i
 }
 
 DEFINE_ROW_TILE(q8_0_tile, ByteRows, SignedPair, load_q8_0, accumulate_shifted, Q8_0_PAIR_BYTES)
-DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, ByteRows, quantize_rows_shifted, SignedPair, load_q8_0, Q8_0_PAIR_BYTES)
+DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, ByteRows, quantize_rows_shifted, SignedPair, load_q8_0, Q8_0_PAIR_BYTES, 0)
 #else
 #define Q8_0_CODE_MAX CODE_MAX
 static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
@@ -561,7 +602,7 @@ static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
 }
 
 DEFINE_ROW_TILE(q8_0_tile, QuantRows, Pair, load_q8_0, accumulate_words, Q8_0_PAIR_BYTES)
-DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Pair, load_q8_0, Q8_0_PAIR_BYTES)
+DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, QuantRows, quantize_rows, Pair, load_q8_0, Q8_0_PAIR_BYTES, 0)
 #endif
 /* the largest input code of the Q8_0 linear in this build (for the tests' reference) */
 const int q8_0_code_max = Q8_0_CODE_MAX;

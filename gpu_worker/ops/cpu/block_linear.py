@@ -1,11 +1,11 @@
 """ctypes binding of block_linear.c: x [M, K] fp32 @ a block-quantized weight [N, K] -> [M, N] fp32.
 
 A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P * pair bytes]
-(Q4_1: 4-bit, 32 bytes a pair; Q5_1: 5-bit in a nibble and a bit plane, 40 bytes; Q8_0: int8, 64
-bytes; each in the order the kernel reads them), fp16 scales d [N, 2P] and, for Q4_1 and Q5_1, fp16
-offsets m [2P, N] (a column a row: the kernel adds their terms 8 outputs at a time). They are read
-in place and multiplied as integers against 8-bit (Q4_1, Q5_1) or 16-bit (Q8_0) codes of the
-activations. See the C file for the layout, for that choice and for why a row's output is the same
+(Q4_0 and Q4_1: 4-bit, 32 bytes a pair; Q5_0 and Q5_1: 5-bit in a nibble and a bit plane, 40 bytes;
+Q8_0: int8, 64 bytes; each in the order the kernel reads them), fp16 scales d [N, 2P] and, for Q4_1 and
+Q5_1, fp16 offsets m [2P, N] (a column a row: the kernel adds their terms 8 outputs at a time; Q4_0's
+and Q5_0's offsets, -8 d and -16 d, it takes inside the dot products). They are read in place and
+multiplied as integers against 8-bit codes of the activations (16-bit for Q8_0 without VNNI). See the C file for the layout, for that choice and for why a row's output is the same
 bits for any number of rows and threads.
 """
 
@@ -20,7 +20,7 @@ import torch
 from gpu_worker.ops.cpu import build
 
 BLOCK = 32
-KINDS = ("q4_1", "q5_1", "q8_0")
+KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 # bit planes per code width, low bits first: (plane, shift); nibble 4 bits, crumb 2, bit 1
 PLANES = {2: (("crumb", 0),), 3: (("crumb", 0), ("bit", 2)), 4: (("nibble", 0),), 5: (("nibble", 0), ("bit", 4)),
           6: (("nibble", 0), ("crumb", 4))}
@@ -51,7 +51,7 @@ def threads_for(rows: int, weight_bytes: int = 0) -> int:
 def linear(kind: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
            out_features: int) -> torch.Tensor:
     """x: [M, K] fp32, codes: [N, P * pair bytes] uint8, scales: [N, 2P] fp16, offsets: [2P, N] fp16
-    (q4_1, q5_1) or None -> [M, N] fp32."""
+    (q4_1, q5_1) or None (q4_0, q5_0, q8_0) -> [M, N] fp32."""
     if not x.is_contiguous():
         x = x.contiguous()
     rows, in_features = x.shape
@@ -77,17 +77,18 @@ Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # what `linear`
 OFFSET_DIM = 1  # the offsets' dimension of a weight's rows: joining weights' rows concatenates along it
 
 
-def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Packed:
+def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> Packed:
     """codes [N, G, 32] in 0..15, d and m [N, G] -> (codes [N, P * 32] uint8, d [N, 2P] and m [2P, N] fp16):
-    per pair, block A's 16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code bytes)."""
+    per pair, block A's 16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code
+    bytes). m None: Q4_0's codes (w = (code - 8) d), no offsets."""
     codes = _pad_to_pairs(codes.to(torch.uint8))
     nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # [N, 2P, 16]
     return nibbles.flatten(1).contiguous(), _pad_to_pairs(d).to(torch.float16).contiguous(), _offsets(m)
 
 
-def _offsets(m: torch.Tensor) -> torch.Tensor:
+def _offsets(m: torch.Tensor | None) -> torch.Tensor | None:
     """m [N, G] -> [2P, N] fp16, the kernel's layout."""
-    return _pad_to_pairs(m).to(torch.float16).t().contiguous()
+    return None if m is None else _pad_to_pairs(m).to(torch.float16).t().contiguous()
 
 
 def pack_q8_0(codes: torch.Tensor, d: torch.Tensor) -> Packed:
@@ -121,8 +122,8 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(planes, axis=-1).astype(np.uint8).reshape(n, -1)
 
 
-def pack_q5_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Packed:
+def pack_q5_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> Packed:
     """codes [N, G, 32] in 0..31, d and m [N, G] -> (codes [N, P * 40] uint8: per pair the nibble plane,
-    then the bit plane, d [N, 2P] and m [2P, N] fp16)."""
+    then the bit plane, d [N, 2P] and m [2P, N] fp16). m None: Q5_0's codes (w = (code - 16) d)."""
     planes = pack_codes(codes.flatten(1).to(torch.uint8).numpy(), 5)
     return torch.from_numpy(planes), _pad_to_pairs(d).to(torch.float16).contiguous(), _offsets(m)

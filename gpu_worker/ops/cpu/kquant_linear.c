@@ -22,9 +22,9 @@
  * scale, as block_linear.c's Q4_1 (accumulate_bytes). The offsets of Q2_K, Q4_K and Q5_K add the sum
  * over sub-blocks of offset * xd * sum(xcodes) in block_linear.c's pass of their own (DEFINE_OFFSETS),
  * 8 outputs a vector: in the pair loop they cost a 4-lane fma and a load a pair and input row. Q3_K's
- * and Q6_K's start each lane's integer sum at -zero * the sum of its input codes (zero_code_bias), so
- * it ends at the dot product of the signed codes (code - zero). Q3's third bit, Q5's fifth and Q6's top
- * two join the low bits as bytes. Without VNNI a 16-bit lane holds 2 products of at most 63 * 127 (4 of
+ * and Q6_K's start each lane's integer sum at -zero * the sum of its input codes (block_linear.c's
+ * zero_code_bias, a bias a vector), so it ends at the dot product of the signed codes (code - zero).
+ * Q3's third bit, Q5's fifth and Q6's top two join the low bits as bytes. Without VNNI a 16-bit lane holds 2 products of at most 63 * 127 (4 of
  * 31 * 127 for Q5_K), an int32 lane 4 or 8, so nothing saturates and the int32 -> fp32 conversion is
  * exact.
  *
@@ -48,18 +48,6 @@ static void sub_block_sums(const ByteRows q, int M, int pairs, float *__restrict
         sums[rp * 4 + 0] = xa * (float)s[0], sums[rp * 4 + 1] = xa * (float)s[1];
         sums[rp * 4 + 2] = xb * (float)s[2], sums[rp * 4 + 3] = xb * (float)s[3];
     }
-}
-
-/* For Q3_K and Q6_K, whose offset is -zero * scale (w = scale * (code - zero)): per input row and pair,
- * -zero * the sum of each int32 lane's 4 codes in the two vectors of dot products, so that a lane's sum
- * starts there and ends at the dot product of the signed codes (code - zero) with the input's. */
-static void zero_code_bias(const ByteRows q, int M, int pairs, int zero, int32_t *__restrict__ bias, int num_threads) {
-    _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * QUANTIZE_ROWS_A_THREAD)")
-    for (long rp = 0; rp < (long)M * pairs; rp++)
-        for (int v = 0; v < 2; v++) {
-            const __m256i sums = dot_byte_vector(_mm256_set1_epi8((char)zero), _mm256_loadu_si256((const __m256i *)(q.codes + rp * PAIR + 32 * v)));
-            _mm256_storeu_si256((__m256i *)(bias + rp * 16 + 8 * v), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
-        }
 }
 
 /* The offsets, read by the offsets' pass (block_linear.c's DEFINE_OFFSETS): sub-block s of output n has
@@ -173,12 +161,6 @@ static inline __m256 sub_accumulate(__m256 acc, const SubPair *w, const int8_t *
     return _mm256_fmadd_ps(t, _mm256_loadu_ps(lane_scale), acc);
 }
 
-static inline __m256 block_accumulate(__m256 acc, const BytePair *w, const int8_t *x, const float *lane_scale,
-                                      const int32_t *bias) {
-    (void)bias;
-    return accumulate_bytes(acc, w, x, lane_scale);
-}
-
 /* out[r * N + j] for `rows` (1 to ROW_TILE) input rows from `row` and `wrows` (1 to WEIGHT_TILE) weight
  * rows from n, both constants after inlining: their pairs as loaded (`unpacked`, row j's from unpacked +
  * j * pairs, where the caller unpacked them once for every row tile), else their codes and scales, loaded
@@ -244,7 +226,7 @@ static inline RowScales row_scales(const float *d, const int8_t *sc, long n, int
             return -1;                                                                                       \
         }                                                                                                    \
         quantize_rows_8bit(x, M, K, q, num_threads);                                                         \
-        if (ZERO) zero_code_bias(q, M, pairs, ZERO, bias, num_threads);                                      \
+        if (ZERO) zero_code_bias(q.codes, M, pairs, ZERO, 2, bias, num_threads);                                      \
         else if (sums != q.scaled_sum) sub_block_sums(q, M, pairs, sums, num_threads);                       \
         SWEEP_GROUPS(PAIR_T, SUB_PAIR, SUB_TILE, LOAD, TILE, PAIR_BYTES, WEIGHTS)                            \
         if (!ZERO && !failed) add_sub_offsets(sums, (SubOffsets){mn, dmin, S / (K / 256)}, out, M, N, S, num_threads); \
@@ -261,7 +243,7 @@ static inline RowScales row_scales(const float *d, const int8_t *sc, long n, int
 /* Q4_K, Q5_K: 32-weight sub-blocks, so one scale a block as the legacy kinds */
 #define DEFINE_BLOCK_KIND(BITS)                                                                    \
     DEFINE_BLOCK_LOAD(k##BITS##_load, CODES_##BITS, 8 * BITS)                                       \
-    DEFINE_SUB_TILE(k##BITS##_tile, BytePair, k##BITS##_load, block_accumulate, 8 * BITS)           \
+    DEFINE_SUB_TILE(k##BITS##_tile, BytePair, k##BITS##_load, accumulate_bytes, 8 * BITS)           \
     DEFINE_SUB_LINEAR(k##BITS##_linear_f32, k##BITS##_tile, BytePair, k##BITS##_load, 8 * BITS, 32, 0, WEIGHT_TILE)
 
 DEFINE_SUB_KIND(2, 0)

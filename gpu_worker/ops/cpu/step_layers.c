@@ -1,5 +1,5 @@
 /* Every decoder layer of a CPU step in one call, for Llama-family models whose GEMM weights are on
- * the C kernels (block_linear.c's Q4_1, Q5_1 and Q8_0, kquant_linear.c's K types, any mix of
+ * the C kernels (block_linear.c's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, kquant_linear.c's K types, any mix of
  * them across weights) and whose KV cache is fp32.
  *
  * Built by gpu_worker/ops/cpu/build.py, called through ctypes by step_layers.py. At one
@@ -33,13 +33,13 @@
 enum { QKV, O, GATE_UP, DOWN, WEIGHTS_PER_LAYER };
 enum { INPUT_NORM, POST_NORM, NORMS_PER_LAYER };
 /* step_layers.py's KINDS, in order */
-enum { KIND_Q4_1, KIND_Q8_0, KIND_Q5_1, KIND_K2, KIND_K3, KIND_K4, KIND_K5, KIND_K6 };
+enum { KIND_Q4_1, KIND_Q8_0, KIND_Q5_1, KIND_K2, KIND_K3, KIND_K4, KIND_K5, KIND_K6, KIND_Q4_0, KIND_Q5_0 };
 
 /* One GEMM weight: its kernel and the arrays that kernel reads (step_layers.py's Weight). */
 typedef struct {
     int kind;
     const uint8_t *codes;
-    const void *d, *offset; /* offset NULL for Q8_0 */
+    const void *d, *offset; /* offset NULL for Q4_0, Q5_0 and Q8_0 */
     const int8_t *sc, *mn;  /* the K types' only */
 } Weight;
 
@@ -49,6 +49,8 @@ static int weight_linear(const Weight *w, const float *x, float *out, int M, int
     case KIND_Q4_1: return q4_1_linear_f32(x, w->codes, w->d, w->offset, out, M, N, K, threads);
     case KIND_Q8_0: return q8_0_linear_f32(x, w->codes, w->d, NULL, out, M, N, K, threads);
     case KIND_Q5_1: return q5_1_linear_f32(x, w->codes, w->d, w->offset, out, M, N, K, threads);
+    case KIND_Q4_0: return q4_0_linear_f32(x, w->codes, w->d, NULL, out, M, N, K, threads);
+    case KIND_Q5_0: return q5_0_linear_f32(x, w->codes, w->d, NULL, out, M, N, K, threads);
     case KIND_K2: return k2_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
     case KIND_K3: return k3_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
     case KIND_K4: return k4_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);

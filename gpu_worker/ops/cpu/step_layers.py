@@ -12,7 +12,7 @@ import functools
 
 from gpu_worker.ops.cpu import build
 
-KINDS = ("q4_1", "q8_0", "q5_1", "k2", "k3", "k4", "k5", "k6")  # the C file's KIND_* enum, in order
+KINDS = ("q4_1", "q8_0", "q5_1", "k2", "k3", "k4", "k5", "k6", "q4_0", "q5_0")  # the C file's KIND_* enum, in order
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # dims (layers, tokens, hidden, heads, kv heads, head_dim, intermediate), 10 pointers (h, out, residual,
 # weights, norms, k and v caches, positions, slots, cos_sin), interleaved, tables, table width, context

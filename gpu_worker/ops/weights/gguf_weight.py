@@ -2,11 +2,9 @@
 backend's format FILE_FORMATS, gpu_worker/ops/cpu/backend.py).
 
     file type                  CPU linear                          kernel
-    Q4_1, Q4_0                 Q4_1Weight (Q4_0's offset -8 d is    ops/cpu/block_linear.c
-                               Q4_1's m; Q8_0 if it overflows fp16)
-    Q5_1, Q5_0                 Q5_1Weight (Q5_0's offset -16 d is   ops/cpu/block_linear.c
-                               Q5_1's m; Q8_0 if it overflows fp16,
-                               or beside Q8_0 rows of one weight)
+    Q4_0, Q4_1                 Q4_0Weight, Q4_1Weight               ops/cpu/block_linear.c
+    Q5_0, Q5_1                 Q5_0Weight (Q8_0Weight beside Q8_0   ops/cpu/block_linear.c
+                               rows of one weight), Q5_1Weight
     Q8_0                       Q8_0Weight                           ops/cpu/block_linear.c
     Q2_K Q3_K Q4_K Q5_K Q6_K   KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
                                the file's scales)
@@ -19,9 +17,8 @@ types (llama-quantize's Q4_K_M stores some V projections in Q6_K or Q8_0, and a 
 multiple of 256 in a legacy type): parts that become blocks of one kind are still one weight (a Q5_0 Q and
 K beside a Q8_0 V, the Q5_0 codes widened to Q8_0's), others run as one kernel call each (`RowsWeight`).
 
-Q5_0 ran as Q8_0 (8.5 bits a weight) until the block kernels unpacked a weight row once for a whole
-prefill chunk: as Q5_1 (6 bits), a Q4_K_M SmolLM2's decode step takes about a fifth less time and a
-512-token prefill about as long (docs/models.md).
+Q5_0 ran as Q8_0 (8.5 bits a weight), then as Q5_1 with m = -16 d (6 bits), before the block kernels
+took its offset inside the dot products (5.5 bits, its file's; docs/models.md has the figures).
 """
 
 from __future__ import annotations
@@ -36,11 +33,12 @@ from torch import nn
 
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.weights import gguf_blocks, packed_linear
-from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight, Q4_1Weight, Q5_1Weight, Q8_0Weight, QuantizedWeight
+from gpu_worker.ops.weights.quantized_linear import (BlockWeight, KQuantWeight, Q4_0Weight, Q4_1Weight, Q5_0Weight, Q5_1Weight,
+                                                     Q8_0Weight, QuantizedWeight)
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = gguf_blocks.FLOAT_TYPES + gguf_blocks.QUANTIZED_TYPES
-BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # what block_linear.c runs (Q4_0 as Q4_1, Q5_0 as Q5_1)
+BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)  # what block_linear.c runs
 FILE_FORMATS = "gguf"  # the CPU backend's weight format for weights kept as the file has them
 
 
@@ -89,17 +87,16 @@ def _single(t: FileTensor, as_q8_0: bool = False) -> QuantizedWeight | nn.Parame
         return KQuantWeight(kquant_linear.pack(parts), n, k)
     codes = torch.from_numpy(parts.codes).view(n, -1, block_linear.BLOCK)  # [N, G, 32]
     d, offset = torch.from_numpy(parts.d), torch.from_numpy(parts.offset)
-    if t.ggml_type == T.Q4_1 or (t.ggml_type == T.Q4_0 and _fits_fp16(offset)):
+    if t.ggml_type == T.Q4_0:
+        return Q4_0Weight.from_packed(block_linear.pack_q4_1(codes, d, None), n, k)
+    if t.ggml_type == T.Q4_1:
         return Q4_1Weight.from_packed(block_linear.pack_q4_1(codes, d, offset), n, k)
-    if t.ggml_type == T.Q5_1 or (t.ggml_type == T.Q5_0 and not as_q8_0 and _fits_fp16(offset)):
+    if t.ggml_type == T.Q5_0 and not as_q8_0:
+        return Q5_0Weight.from_packed(block_linear.pack_q5_1(codes, d, None), n, k)
+    if t.ggml_type == T.Q5_1:
         return Q5_1Weight.from_packed(block_linear.pack_q5_1(codes, d, offset), n, k)
     zero = gguf_blocks.ZERO_CODES.get(t.ggml_type, 0)
     return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes - zero, d), n, k)
-
-
-def _fits_fp16(offset: torch.Tensor) -> bool:
-    """Whether Q4_0's offsets -8 d or Q5_0's -16 d (exact in fp16 where they fit: d is fp16) are an fp16 m."""
-    return bool((offset.abs() <= torch.finfo(torch.float16).max).all())
 
 
 def _joined(weights: list[BlockWeight]) -> BlockWeight | None:

@@ -163,10 +163,22 @@ class Q4_1Weight(BlockWeight):
         super().__init__(block_linear.pack_q4_1(codes, scale, low), *weight.shape)
 
 
+class Q4_0Weight(BlockWeight):
+    """A GGUF Q4_0 file's weight: 4-bit codes in groups of 32, fp16 scale, w = (code - 8) * d."""
+
+    kind = "q4_0"
+
+
 class Q5_1Weight(BlockWeight):
     """A GGUF Q5_1 file's weight: 5-bit codes in groups of 32, fp16 scale and offset."""
 
     kind = "q5_1"
+
+
+class Q5_0Weight(BlockWeight):
+    """A GGUF Q5_0 file's weight: 5-bit codes in groups of 32, fp16 scale, w = (code - 16) * d."""
+
+    kind = "q5_0"
 
 
 class Q8_0Weight(BlockWeight):
