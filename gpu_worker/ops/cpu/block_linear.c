@@ -24,9 +24,10 @@
  *     16-bit codes (about 5 significant digits), widened weight codes and 16-bit multiply-adds: for
  *     signed weights, 8-bit input codes need a sign instruction a vector on top, and were no faster.
  * Either way a pair's products sum into int32 lanes 0-3 for block A and 4-7 for block B, scaled
- * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. For Q4_0 and Q5_0 each lane's sum
- * starts at -zero * the sum of its input codes (zero_code_bias, once a call), so it ends at the dot
- * product of the signed codes (code - zero): no offsets and no pass for them. Q4_1 and Q5_1 then add the sum
+ * lane-wise by [d_A xd_A x4 | d_B xd_B x4] into one fp32 accumulator. For Q4_0 and Q5_0 (and Q8_0 with
+ * VNNI, its codes + 128 as unsigned bytes) each lane's sum starts at -zero * the sum of its input codes
+ * (zero_code_bias, once a call), so it ends at the dot product of the signed codes (code - zero): no
+ * offsets and no pass for them. Q4_1 and Q5_1 then add the sum
  * over blocks of m * xd * sum(xcode) in a pass of their own (DEFINE_OFFSETS), 8 outputs a vector with
  * each output's operations those of its own short dot product: computed one output at a time after
  * its sums it was a third of a linear's time.
@@ -183,10 +184,10 @@ static inline float quantize_block(const float *__restrict__ v, float code_max, 
 DEFINE_ROWS(QuantRows, int16_t)
 DEFINE_ROWS(ByteRows, int8_t)
 
-/* rows [M, K] fp32 -> TYPE (padding blocks zero), each code stored + SHIFT; rows split over the
+/* rows [M, K] fp32 -> TYPE (padding blocks zero); rows split over the
  * threads from QUANTIZE_ROWS_A_THREAD rows a thread (a row's codes depend on that row only) */
 #define QUANTIZE_ROWS_A_THREAD 8
-#define DEFINE_QUANT_ROWS(TYPE, CODE, QUANTIZE, MAX, PLACE, SHIFT)                                        \
+#define DEFINE_QUANT_ROWS(TYPE, CODE, QUANTIZE, MAX, PLACE)                                               \
     static void QUANTIZE(const float *__restrict__ x, int M, int K, TYPE q, int num_threads) {            \
         const int blocks = K / BLOCK, pairs = (blocks + 1) / 2;                                            \
         _Pragma("omp parallel for num_threads(num_threads) if (M >= 2 * QUANTIZE_ROWS_A_THREAD)")          \
@@ -195,7 +196,7 @@ DEFINE_ROWS(ByteRows, int8_t)
                 int codes[BLOCK], sum;                                                                     \
                 const float d = quantize_block(b < blocks ? x + r * K + (long)b * BLOCK : NULL, MAX, codes, &sum); \
                 CODE *pair_codes = q.codes + (r * pairs + b / 2) * PAIR;                                   \
-                PLACE(pair_codes, b % 2, codes, SHIFT);                                                    \
+                PLACE(pair_codes, b % 2, codes);                                                           \
                 float *lanes = q.lane_scale + (r * pairs + b / 2) * 8 + (b % 2) * 4;                       \
                 for (int i = 0; i < 4; i++) lanes[i] = d;                                                  \
                 q.scaled_sum[r * 2 * pairs + b] = d * (float)sum;                                          \
@@ -203,32 +204,29 @@ DEFINE_ROWS(ByteRows, int8_t)
         }                                                                                                  \
     }
 
-/* A block's codes (+ shift) into block A's (half 0) or B's (half 1) places of its pair: 16-bit codes in
- * four chunks of [A 8c..8c+7 | B 8c..8c+7], 8-bit ones in two vectors of [A 16v..16v+15 | B 16v..16v+15]
+/* A block's codes into block A's (half 0) or B's (half 1) places of its pair: 16-bit codes in four
+ * chunks of [A 8c..8c+7 | B 8c..8c+7], 8-bit ones in two vectors of [A 16v..16v+15 | B 16v..16v+15]
  * (the codes fit: saturating packs leave them as they are). */
-static inline void place_words(int16_t *__restrict__ pair, int half, const int codes[BLOCK], int shift) {
+static inline void place_words(int16_t *__restrict__ pair, int half, const int codes[BLOCK]) {
     for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(codes + 8 * c)), _mm256_set1_epi32(shift));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + 8 * c));
         _mm_storeu_si128((__m128i *)(pair + c * 16 + half * 8),
                          _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
     }
 }
 
-/* (shifted codes are 1..255, so unsigned bytes) */
-static inline void place_bytes(int8_t *__restrict__ pair, int half, const int codes[BLOCK], int shift) {
+static inline void place_bytes(int8_t *__restrict__ pair, int half, const int codes[BLOCK]) {
     __m256i v[4];
-    for (int c = 0; c < 4; c++)
-        v[c] = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(codes + 8 * c)), _mm256_set1_epi32(shift));
+    for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_si256((const __m256i *)(codes + 8 * c));
     const __m256i w01 = _mm256_packs_epi32(v[0], v[1]), w23 = _mm256_packs_epi32(v[2], v[3]);
     /* per 128-bit lane, codes 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, 20-23, 28-31: put in order */
-    const __m256i bytes = _mm256_permutevar8x32_epi32(shift ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23),
-                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm_storeu_si128((__m128i *)(pair + half * 16), _mm256_castsi256_si128(bytes));
     _mm_storeu_si128((__m128i *)(pair + 32 + half * 16), _mm256_extracti128_si256(bytes, 1));
 }
 
-DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, place_words, 0)
-DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, place_bytes, 0)
+DEFINE_QUANT_ROWS(QuantRows, int16_t, quantize_rows, CODE_MAX, place_words)
+DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_8bit, BYTE_CODE_MAX, place_bytes)
 
 /* For weights whose offset is -zero * scale (w = scale * (code - zero)): per input row and pair of 8-bit
  * codes [M, P * 64], -zero * the sum of the input codes in each int32 lane of the pair's two vectors of
@@ -331,7 +329,7 @@ static inline BytePair load_q5_1(const uint8_t *codes, const uint16_t *d) {
 
 /* acc += (w . x) * [d xd] for one pair of one input row's 16-bit codes. Every partial integer sum is
  * below 2^24 (|w| <= 127, |x| <= 2^15 - 1, 16 products a lane), so the int32 -> fp32 conversion is exact.
- * (Q8_0 has no zero code: `bias` is NULL, as for every accumulate but accumulate_bytes.) */
+ * (`bias`: no zero code on this path, NULL.) */
 static inline __m256 accumulate_words(__m256 acc, const Pair *w, const int16_t *x, const float *lane_scale,
                                       const int32_t *bias) {
     (void)bias;
@@ -342,10 +340,11 @@ static inline __m256 accumulate_words(__m256 acc, const Pair *w, const int16_t *
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
 }
 
-/* The same for unsigned byte codes (at most 31) and 8-bit input codes, each lane's sum from its zero code
- * bias (NULL: none): a 16-bit lane of the two multiply-adds' sum holds 4 products of at most 31 * 127 and
- * an int32 lane 8 and the bias of 8 codes, at most 8 * 16 * 127, so nothing saturates and the conversion
- * is exact. */
+/* The same for unsigned byte codes (at most 31; 255 with VNNI, which sums in int32 lanes directly: Q8_0)
+ * and 8-bit input codes, each lane's sum from its zero code bias (NULL: none): without VNNI a 16-bit
+ * lane of the two multiply-adds' sum holds 4 products of at most 31 * 127, and an int32 lane at most 8
+ * products and the bias of 8 codes, each at most 255 * 127, so nothing saturates and the conversion is
+ * exact. */
 static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_t *x, const float *lane_scale,
                                       const int32_t *bias) {
     const __m256i start = bias ? _mm256_loadu_si256((const __m256i *)bias) : _mm256_setzero_si256();
@@ -530,7 +529,7 @@ typedef struct {
 DEFINE_OFFSETS(half_offset_rows, add_half_offsets, HalfOffsets, HALF_OFFSETS_8, HALF_OFFSETS_1)
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [2P, N] fp16 (Q4_1, Q5_1) or NULL
- * (Q4_0, Q5_0, Q8_0); out [M, N] fp32. ZERO: the kind's zero code (Q4_0, Q5_0), else 0. Returns 0, or -1
+ * (Q4_0, Q5_0, Q8_0); out [M, N] fp32. ZERO: the kind's zero code (Q4_0, Q5_0, Q8_0 with VNNI), else 0. Returns 0, or -1
  * without memory for the activation codes or a thread's unpacked pairs. */
 #define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_T, LOAD, PAIR_BYTES, ZERO)                          \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
@@ -558,40 +557,24 @@ DEFINE_LINEAR(q5_1_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, BytePair
 DEFINE_LINEAR(q5_0_linear_f32, q5_1_tile, ByteRows, quantize_rows_8bit, BytePair, load_q5_1, Q5_1_PAIR_BYTES, Q5_0_ZERO)
 
 #ifdef DPBUSD
-/* Q8_0 on 8-bit codes where VNNI takes their products without saturating: the input codes + 128 as
- * unsigned bytes against the signed weight codes, put in the byte pair order. Each lane's sum starts
- * at -128 * the sum of its weight codes, so it ends exactly at the 16-bit path's integer dot product
- * of 8-bit codes (at most 8 * 255 * 127 on the way). */
+/* Q8_0 on 8-bit codes where VNNI takes their products without saturating: the weight codes + 128 as
+ * unsigned bytes, put in the byte pair order, against the signed input codes. Each lane's sum starts at
+ * -128 * the sum of its input codes (zero_code_bias, as Q4_0's and Q5_0's), so it ends exactly at the
+ * 16-bit path's integer dot product of 8-bit codes (at most 8 * 255 * 127 on the way). */
 #define Q8_0_CODE_MAX BYTE_CODE_MAX
-DEFINE_QUANT_ROWS(ByteRows, int8_t, quantize_rows_shifted, BYTE_CODE_MAX, place_bytes, 128)
+#define Q8_0_ZERO 128
 
-typedef struct {
-    __m256i c[2];
-    __m256i bias; /* -128 * sum of the codes, per lane */
-    __m256 d;
-} SignedPair;
-
-static inline SignedPair load_q8_0(const uint8_t *codes, const uint16_t *d) {
+static inline BytePair load_q8_0(const uint8_t *codes, const uint16_t *d) {
     const __m256i shift = _mm256_set1_epi8((char)128);
-    SignedPair p;
+    BytePair p;
     for (int v = 0; v < 2; v++) /* [A 0-7, B 0-7 | A 8-15, B 8-15] -> [A 0-15 | B 0-15], by quarters */
-        p.c[v] = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(codes + 32 * v)), 0xD8);
-    p.bias = _mm256_sub_epi32(_mm256_setzero_si256(), DPBUSD(DPBUSD(_mm256_setzero_si256(), shift, p.c[0]), shift, p.c[1]));
+        p.c[v] = _mm256_xor_si256(_mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)(codes + 32 * v)), 0xD8), shift);
     p.d = lane_scales(d);
     return p;
 }
 
-static inline __m256 accumulate_shifted(__m256 acc, const SignedPair *w, const int8_t *x, const float *lane_scale,
-                                        const int32_t *bias) {
-    (void)bias;
-    const __m256i s = DPBUSD(DPBUSD(w->bias, _mm256_loadu_si256((const __m256i *)x), w->c[0]),
-                             _mm256_loadu_si256((const __m256i *)(x + 32)), w->c[1]);
-    const __m256 scale = _mm256_mul_ps(w->d, _mm256_loadu_ps(lane_scale));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
-}
-
-DEFINE_ROW_TILE(q8_0_tile, ByteRows, SignedPair, load_q8_0, accumulate_shifted, Q8_0_PAIR_BYTES)
-DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, ByteRows, quantize_rows_shifted, SignedPair, load_q8_0, Q8_0_PAIR_BYTES, 0)
+DEFINE_ROW_TILE(q8_0_tile, ByteRows, BytePair, load_q8_0, accumulate_bytes, Q8_0_PAIR_BYTES)
+DEFINE_LINEAR(q8_0_linear_f32, q8_0_tile, ByteRows, quantize_rows_8bit, BytePair, load_q8_0, Q8_0_PAIR_BYTES, Q8_0_ZERO)
 #else
 #define Q8_0_CODE_MAX CODE_MAX
 static inline Pair load_q8_0(const uint8_t *codes, const uint16_t *d) {
