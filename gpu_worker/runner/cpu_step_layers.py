@@ -2,8 +2,8 @@
 
 `StepLayers.build(model)` is what the runner keeps where this applies: an fp32 model whose layers'
 four GEMM weights are all on the C kernels (int4 on the block kernel, the CPU default, as
-CpuBackend.prepare_weights leaves them, or a GGUF file's own blocks in any mix of types across
-weights), without a QKV bias. `takes(...)` says whether a step can
+CpuBackend.prepare_weights leaves them, or a GGUF file's own blocks in any mix of types, across weights
+and within a fused one), without a QKV bias. `takes(...)` says whether a step can
 run here (an fp32 KV cache): decodes, prefill chunks and both together. The C file calls the same
 kernels the Python path (llama.py over the CPU backend) calls, so both give the same bits for a
 token. One call a step saves the Python between ops, most of a short prefill's time
@@ -21,6 +21,7 @@ from gpu_worker.model.kv_cache import KVCache
 from gpu_worker.model.llama import GEMMS, LlamaModel
 from gpu_worker.model.metadata import AttentionMetadata
 from gpu_worker.ops.cpu import block_linear, build, paged_attention, step_layers
+from gpu_worker.ops.weights.gguf_weight import RowsWeight
 from gpu_worker.ops.weights.quantized_linear import BlockWeight, KQuantWeight
 
 NORMS = ("input_norm", "post_norm")
@@ -34,7 +35,7 @@ class StepLayers:
     """The layers of one prepacked model as the C file takes them: pointers to its weights, which
     stay where they are from now on (a prepacked model is inference-only; `_tensors` keeps them alive)."""
 
-    def __init__(self, model: LlamaModel, weights: list[tuple[step_layers.Weight, list[torch.Tensor]]]) -> None:
+    def __init__(self, model: LlamaModel, weights: list[tuple[step_layers.Weight, list[object]]]) -> None:
         """weights: describe() of every layer's GEMMS, in order."""
         library = step_layers.library()
         assert library is not None, "build() checks that the kernel is built"
@@ -94,18 +95,26 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def describe(weight: object) -> tuple[step_layers.Weight, list[torch.Tensor]] | None:
-    """A GEMM weight as the C file takes it, and the tensors it points into (to keep alive); None for a
-    weight on no C kernel (fp32, torch's int8, parts of several formats)."""
+def describe(weight: object) -> tuple[step_layers.Weight, list[object]] | None:
+    """A GEMM weight as the C file takes it, and what it points into (tensors, part arrays: to keep alive);
+    None for a weight on no C kernel (fp32, torch's int8, a fused weight with a part on neither)."""
     if isinstance(weight, BlockWeight):
         tensors = [t for t in (weight.codes, weight.scales, weight.offsets) if t is not None]
         return step_layers.Weight(step_layers.KINDS.index(weight.kind), weight.codes.data_ptr(), weight.scales.data_ptr(),
-                      _address(weight.offsets), None, None), tensors
+                                  _address(weight.offsets), None, None, weight.out_features), tensors
     if isinstance(weight, KQuantWeight):
         p = weight.packed
         tensors = [t for t in (p.codes, p.d, p.offset, p.sc, p.mn) if t is not None]
         return step_layers.Weight(step_layers.KINDS.index(p.kind), p.codes.data_ptr(), p.d.data_ptr(), p.offset.data_ptr(),
-                      _address(p.sc), _address(p.mn)), tensors
+                                  _address(p.sc), _address(p.mn), weight.out_features), tensors
+    if isinstance(weight, RowsWeight):
+        parts = [describe(part) for part in weight.parts]
+        if any(part is None for part in parts):
+            return None
+        array = (step_layers.Weight * len(parts))(*(w for w, _ in parts))
+        whole = step_layers.Weight(kind=step_layers.KINDS.index("parts"), rows=weight.out_features,
+                                   num_parts=len(parts), parts=array)
+        return whole, [array, *(kept for _, keep in parts for kept in keep)]
     return None
 
 

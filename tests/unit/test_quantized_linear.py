@@ -338,14 +338,16 @@ def test_a_fused_weight_of_mixed_types_runs_its_parts_in_row_order():
 
 
 @needs_kquant_kernel
-def test_legacy_parts_that_become_one_block_kind_are_one_weight():
-    """Q4_K_M's Q5_0 Q and K beside a Q8_0 V: one Q8_0 weight of their rows, the dequantized product."""
+def test_legacy_parts_of_two_types_run_as_two_weights_in_row_order():
+    """Q4_K_M's Q5_0 Q and K beside a Q8_0 V: one Q5_0 weight of Q's and K's rows, then the Q8_0 V."""
     parts = [file_tensor(gguf_blocks.T.Q5_0, 64, 96, 1), file_tensor(gguf_blocks.T.Q5_0, 32, 96, 2),
              file_tensor(gguf_blocks.T.Q8_0, 32, 96, 3)]
     weight = gguf_weight.cpu_weight(parts)
-    assert type(weight) is Q8_0Weight and weight.out_features == 128
+    assert isinstance(weight, gguf_weight.RowsWeight) and weight.part_rows == [96, 32]
+    assert [type(p) for p in weight.parts] == [Q5_0Weight, Q8_0Weight]
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
-    ref = on_code_grid(x, CODE_MAX[Q8_0Weight]) @ torch.cat([p.dequantize() for p in parts]).double().t()
+    ref = torch.cat([on_code_grid(x, CODE_MAX[Q5_0Weight]) @ torch.cat([p.dequantize() for p in parts[:2]]).double().t(),
+                     on_code_grid(x, CODE_MAX[Q8_0Weight]) @ parts[2].dequantize().double().t()], dim=1)
     assert ((weight(x).double() - ref).norm() / ref.norm()) < 1e-6
 
 

@@ -32,19 +32,22 @@
 
 enum { QKV, O, GATE_UP, DOWN, WEIGHTS_PER_LAYER };
 enum { INPUT_NORM, POST_NORM, NORMS_PER_LAYER };
-/* step_layers.py's KINDS, in order */
-enum { KIND_Q4_1, KIND_Q8_0, KIND_Q5_1, KIND_K2, KIND_K3, KIND_K4, KIND_K5, KIND_K6, KIND_Q4_0, KIND_Q5_0 };
+/* step_layers.py's KINDS, in order; KIND_PARTS: row blocks of several kinds */
+enum { KIND_Q4_1, KIND_Q8_0, KIND_Q5_1, KIND_K2, KIND_K3, KIND_K4, KIND_K5, KIND_K6, KIND_Q4_0, KIND_Q5_0, KIND_PARTS };
 
-/* One GEMM weight: its kernel and the arrays that kernel reads (step_layers.py's Weight). */
-typedef struct {
+/* One GEMM weight: its kernel and the arrays that kernel reads (step_layers.py's Weight), or a fused
+ * weight whose row blocks are of several kinds: `num_parts` weights from `parts`, each of `rows` rows. */
+typedef struct Weight {
     int kind;
     const uint8_t *codes;
     const void *d, *offset; /* offset NULL for Q4_0, Q5_0 and Q8_0 */
     const int8_t *sc, *mn;  /* the K types' only */
+    int rows, num_parts;
+    const struct Weight *parts;
 } Weight;
 
-/* out [M, N] = x [M, K] @ w on w's own kernel; 0, or -1 without memory */
-static int weight_linear(const Weight *w, const float *x, float *out, int M, int N, int K, int threads) {
+/* out [M, N] = x [M, K] @ w on w's own kernel (not KIND_PARTS); 0, or -1 without memory */
+static int kind_linear(const Weight *w, const float *x, float *out, int M, int N, int K, int threads) {
     switch (w->kind) {
     case KIND_Q4_1: return q4_1_linear_f32(x, w->codes, w->d, w->offset, out, M, N, K, threads);
     case KIND_Q8_0: return q8_0_linear_f32(x, w->codes, w->d, NULL, out, M, N, K, threads);
@@ -58,6 +61,22 @@ static int weight_linear(const Weight *w, const float *x, float *out, int M, int
     case KIND_K6: return k6_linear_f32(x, w->codes, w->d, w->offset, w->sc, w->mn, out, M, N, K, threads);
     }
     return -1;
+}
+
+/* out [M, N] = x [M, K] @ w; a KIND_PARTS weight's parts one call each, their rows placed side by side */
+static int weight_linear(const Weight *w, const float *x, float *out, int M, int N, int K, int threads) {
+    if (w->kind != KIND_PARTS) return kind_linear(w, x, out, M, N, K, threads);
+    int widest = 0;
+    for (int i = 0; i < w->num_parts; i++) widest = w->parts[i].rows > widest ? w->parts[i].rows : widest;
+    float *part_out = malloc(sizeof(float) * (size_t)M * widest);
+    int failed = !part_out;
+    for (int i = 0, col = 0; i < w->num_parts && !failed; col += w->parts[i].rows, i++) {
+        const int rows = w->parts[i].rows;
+        failed |= kind_linear(&w->parts[i], x, part_out, M, rows, K, threads);
+        for (long m = 0; m < M && !failed; m++) memcpy(out + m * N + col, part_out + m * rows, sizeof(float) * rows);
+    }
+    free(part_out);
+    return failed ? -1 : 0;
 }
 
 /* Returns 0, or -1 without memory for scratch (then h_out and residual_out are undefined). */

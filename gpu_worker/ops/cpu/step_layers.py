@@ -12,7 +12,7 @@ import functools
 
 from gpu_worker.ops.cpu import build
 
-KINDS = ("q4_1", "q8_0", "q5_1", "k2", "k3", "k4", "k5", "k6", "q4_0", "q5_0")  # the C file's KIND_* enum, in order
+KINDS = ("q4_1", "q8_0", "q5_1", "k2", "k3", "k4", "k5", "k6", "q4_0", "q5_0", "parts")  # the C file's KIND_* enum, in order
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # dims (layers, tokens, hidden, heads, kv heads, head_dim, intermediate), 10 pointers (h, out, residual,
 # weights, norms, k and v caches, positions, slots, cos_sin), interleaved, tables, table width, context
@@ -21,9 +21,12 @@ _ARGS = [_I] * 7 + [_P] * 10 + [_I, _P, _I, _P, _I, _F, _F, _I]
 
 
 class Weight(ctypes.Structure):
-    """The C file's Weight: a GEMM weight's kernel and the arrays it reads."""
+    """The C file's Weight: a GEMM weight's kernel and the arrays it reads, or ("parts") its row blocks of
+    several kinds, `num_parts` Weights from `parts`, each of `rows` rows."""
 
-    _fields_ = [("kind", ctypes.c_int), ("codes", _P), ("d", _P), ("offset", _P), ("sc", _P), ("mn", _P)]
+
+Weight._fields_ = [("kind", ctypes.c_int), ("codes", _P), ("d", _P), ("offset", _P), ("sc", _P), ("mn", _P),
+                   ("rows", ctypes.c_int), ("num_parts", ctypes.c_int), ("parts", ctypes.POINTER(Weight))]
 
 
 @functools.cache

@@ -3,8 +3,7 @@ backend's format FILE_FORMATS, gpu_worker/ops/cpu/backend.py).
 
     file type                  CPU linear                          kernel
     Q4_0, Q4_1                 Q4_0Weight, Q4_1Weight               ops/cpu/block_linear.c
-    Q5_0, Q5_1                 Q5_0Weight (Q8_0Weight beside Q8_0   ops/cpu/block_linear.c
-                               rows of one weight), Q5_1Weight
+    Q5_0, Q5_1                 Q5_0Weight, Q5_1Weight               ops/cpu/block_linear.c
     Q8_0                       Q8_0Weight                           ops/cpu/block_linear.c
     Q2_K Q3_K Q4_K Q5_K Q6_K   KQuantWeight (codes in bit planes,   ops/cpu/kquant_linear.c
                                the file's scales)
@@ -14,8 +13,8 @@ Every conversion is lossless (ops/weights/gguf_blocks.py) and goes from the file
 the kernel's layout, with no float copy of a quantized weight. A fused weight (Q, K and V; gate and
 up) whose parts share a type is one weight of their rows; a K-quant mix gives parts of different
 types (llama-quantize's Q4_K_M stores some V projections in Q6_K or Q8_0, and a width that is not a
-multiple of 256 in a legacy type): parts that become blocks of one kind are still one weight (a Q5_0 Q and
-K beside a Q8_0 V, the Q5_0 codes widened to Q8_0's), others run as one kernel call each (`RowsWeight`).
+multiple of 256 in a legacy type): each run of parts of one type is one weight, and the runs one
+`RowsWeight` (a Q5_0 Q and K, then a Q8_0 V: two kernel calls).
 
 Q5_0 ran as Q8_0 (8.5 bits a weight), then as Q5_1 with m = -16 d (6 bits), before the block kernels
 took its offset inside the dot products (5.5 bits, its file's; docs/models.md has the figures).
@@ -23,6 +22,7 @@ took its offset inside the dot products (5.5 bits, its file's; docs/models.md ha
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +33,7 @@ from torch import nn
 
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.weights import gguf_blocks, packed_linear
-from gpu_worker.ops.weights.quantized_linear import (BlockWeight, KQuantWeight, Q4_0Weight, Q4_1Weight, Q5_0Weight, Q5_1Weight,
+from gpu_worker.ops.weights.quantized_linear import (KQuantWeight, Q4_0Weight, Q4_1Weight, Q5_0Weight, Q5_1Weight,
                                                      Q8_0Weight, QuantizedWeight)
 
 T = GGMLQuantizationType
@@ -77,8 +77,8 @@ def _stacked(parts: list[FileTensor]) -> FileTensor:
     return FileTensor(parts[0].ggml_type, np.concatenate([p.data for p in parts]), parts[0].in_features)
 
 
-def _single(t: FileTensor, as_q8_0: bool = False) -> QuantizedWeight | nn.Parameter:
-    """One tensor's CPU linear; as_q8_0: Q5_0 as Q8_0 blocks, to join Q8_0 rows of the same weight."""
+def _single(t: FileTensor) -> QuantizedWeight | nn.Parameter:
+    """One tensor's CPU linear."""
     n, k = t.out_features, t.in_features
     if not t.quantized:
         return nn.Parameter(packed_linear.pack(t.dequantize()), requires_grad=False)
@@ -91,31 +91,21 @@ def _single(t: FileTensor, as_q8_0: bool = False) -> QuantizedWeight | nn.Parame
         return Q4_0Weight.from_packed(block_linear.pack_q4_1(codes, d, None), n, k)
     if t.ggml_type == T.Q4_1:
         return Q4_1Weight.from_packed(block_linear.pack_q4_1(codes, d, offset), n, k)
-    if t.ggml_type == T.Q5_0 and not as_q8_0:
+    if t.ggml_type == T.Q5_0:
         return Q5_0Weight.from_packed(block_linear.pack_q5_1(codes, d, None), n, k)
     if t.ggml_type == T.Q5_1:
         return Q5_1Weight.from_packed(block_linear.pack_q5_1(codes, d, offset), n, k)
-    zero = gguf_blocks.ZERO_CODES.get(t.ggml_type, 0)
-    return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes - zero, d), n, k)
-
-
-def _joined(weights: list[BlockWeight]) -> BlockWeight | None:
-    """Block weights of one kind (a Q5_0 Q and K beside a Q8_0 V) as one weight of their rows, else None."""
-    first = weights[0]
-    if any(type(w) is not type(first) for w in weights):
-        return None
-    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights if w.offsets is not None],
-                                                             dim=block_linear.OFFSET_DIM)
-    packed = (torch.cat([w.codes for w in weights]), torch.cat([w.scales for w in weights]), offsets)
-    return type(first).from_packed(packed, sum(w.out_features for w in weights), first.in_features)
+    return Q8_0Weight.from_packed(block_linear.pack_q8_0(codes, d), n, k)
 
 
 class RowsWeight(QuantizedWeight):
     """One fused weight [N, K] as row blocks in different formats: out = cat of each block's output."""
 
     def __init__(self, parts: list[QuantizedWeight | nn.Parameter], out_features: list[int], in_features: int) -> None:
+        """out_features: each part's rows, in order."""
         super().__init__()
         self.parts = parts  # not registered: a prepacked parameter is no module; the model is inference-only
+        self.part_rows = out_features
         self.out_features, self.in_features = sum(out_features), in_features
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,11 +119,10 @@ class RowsWeight(QuantizedWeight):
 
 
 def cpu_weight(parts: list[FileTensor]) -> QuantizedWeight | nn.Parameter:
-    """The row blocks of one (fused) weight, in order -> its CPU linear in the file's format(s)."""
-    if all(p.ggml_type == parts[0].ggml_type for p in parts):
-        return _single(_stacked(parts))
-    as_q8_0 = {p.ggml_type for p in parts} == {T.Q5_0, T.Q8_0}
-    weights = [_single(p, as_q8_0) for p in parts]
-    blocks = [w for w in weights if isinstance(w, BlockWeight)]
-    joined = _joined(blocks) if len(blocks) == len(weights) else None
-    return joined or RowsWeight(weights, [p.out_features for p in parts], parts[0].in_features)
+    """The row blocks of one (fused) weight, in order -> its CPU linear in the file's format(s): each run
+    of parts of one type as one weight of their rows, several runs as a RowsWeight of them."""
+    runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.ggml_type)]
+    weights = [_single(_stacked(run)) for run in runs]
+    if len(weights) == 1:
+        return weights[0]
+    return RowsWeight(weights, [sum(p.out_features for p in run) for run in runs], parts[0].in_features)
