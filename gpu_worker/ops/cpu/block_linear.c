@@ -34,8 +34,11 @@
  *
  * Blocking: a thread takes GROUP_ROWS weight rows (in L1 while it works on them) and sweeps the
  * input rows ROW_TILE at a time, so each loaded weight pair serves ROW_TILE rows from registers
- * and each tile of input codes serves GROUP_ROWS weight rows from L1; each load of a row's codes
- * serves WEIGHT_TILE weight rows (decode batches too: their independent sums keep more loads in flight).
+ * and each tile of input codes serves GROUP_ROWS weight rows from L1; where the weight pairs are
+ * unpacked (more than ROW_TILE input rows), each load of a row's codes serves WEIGHT_TILE weight rows.
+ * Reading a weight straight from memory (up to ROW_TILE input rows: a decode step of a few sequences, the
+ * vocabulary head) a thread takes one weight row at a time, one sequential stream: WEIGHT_TILE rows'
+ * interleaved streams took up to twice as long (docs/performance.md).
  *
  * out[r, n] is computed by one thread with the same sequence of operations whatever M, the row
  * tile it falls in, the thread count or which thread takes it: a row's codes depend only on that
@@ -405,8 +408,8 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
  * chunk did M / ROW_TILE times. UNPACK(A, B, C, n, p) gives row n's pair p as PAIR_T, CALL(A, B, C,
  * rows, wrows, w, n, r, o) runs the tile of `rows` input rows from r against `wrows` weight rows from
  * n (w: their unpacked pairs or NULL) into o; A, B, C are the kind's own (its loader, tile, pair bytes).
- * Weight rows go WEIGHTS at a time (the group's last few one by one). Leaves `failed` set
- * where a thread had no memory for its pairs. */
+ * Weight rows go WEIGHTS at a time where unpacked (the group's last few one by one), else one by one.
+ * Leaves `failed` set where a thread had no memory for its pairs. */
 #define SWEEP_GROUPS(PAIR_T, UNPACK, CALL, A, B, C, WEIGHTS)                                             \
     const int groups = (N + GROUP_ROWS - 1) / GROUP_ROWS, unpack = M > ROW_TILE;                         \
     int failed = 0;                                                                                      \
@@ -433,7 +436,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
                     const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
                     float *o = out + (long)r * N + n;                                                    \
                     /* constant row counts per call keep the tile in registers */                        \
-                    if (WEIGHTS > 1 && n + WEIGHTS <= n1) {                                          \
+                    if (WEIGHTS > 1 && unpack && n + WEIGHTS <= n1) {                                          \
                         switch (rows) {                                                                  \
                         case 1: CALL(A, B, C, 1, WEIGHTS, w, n, r, o); break;                            \
                         case 2: CALL(A, B, C, 2, WEIGHTS, w, n, r, o); break;                            \
