@@ -23,8 +23,16 @@ from gpu_worker.ops.cpu import kquant_linear
 from gpu_worker.ops.cpu.backend import CpuBackend
 from gpu_worker.ops.weights import gguf_blocks, gguf_weight, packed_linear, quantized_linear
 from gpu_worker.ops.weights.gguf_weight import FileTensor
-from gpu_worker.ops.weights.quantized_linear import (Int4Weight, Int8Weight, KQuantWeight, Q4_0Weight, Q4_1Weight, Q5_0Weight,
-                                                     Q5_1Weight, Q8_0Weight)
+from gpu_worker.ops.weights.quantized_linear import (
+    Int4Weight,
+    Int8Weight,
+    KQuantWeight,
+    Q4_0Weight,
+    Q4_1Weight,
+    Q5_0Weight,
+    Q5_1Weight,
+    Q8_0Weight,
+)
 from tests.unit.gguf_random import random_blocks
 
 FORMATS = sorted(quantized_linear.FORMATS)

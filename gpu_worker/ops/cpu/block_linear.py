@@ -5,8 +5,9 @@ A weight is N rows of K/32 blocks, padded to whole pairs of blocks: codes [N, P 
 Q8_0: int8, 64 bytes; each in the order the kernel reads them), fp16 scales d [N, 2P] and, for Q4_1 and
 Q5_1, fp16 offsets m [2P, N] (a column a row: the kernel adds their terms 8 outputs at a time; Q4_0's
 and Q5_0's offsets, -8 d and -16 d, it takes inside the dot products). They are read in place and
-multiplied as integers against 8-bit codes of the activations (16-bit for Q8_0 without VNNI). See the C file for the layout, for that choice and for why a row's output is the same
-bits for any number of rows and threads.
+multiplied as integers against 8-bit codes of the activations (16-bit for Q8_0 without VNNI). See the
+C file for the layout, for that choice and for why a row's output is the same bits for any number of
+rows and threads.
 """
 
 from __future__ import annotations

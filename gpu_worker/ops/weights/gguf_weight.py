@@ -33,8 +33,15 @@ from torch import nn
 
 from gpu_worker.ops.cpu import block_linear, kquant_linear
 from gpu_worker.ops.weights import gguf_blocks, packed_linear
-from gpu_worker.ops.weights.quantized_linear import (KQuantWeight, Q4_0Weight, Q4_1Weight, Q5_0Weight, Q5_1Weight,
-                                                     Q8_0Weight, QuantizedWeight)
+from gpu_worker.ops.weights.quantized_linear import (
+    KQuantWeight,
+    Q4_0Weight,
+    Q4_1Weight,
+    Q5_0Weight,
+    Q5_1Weight,
+    Q8_0Weight,
+    QuantizedWeight,
+)
 
 T = GGMLQuantizationType
 SUPPORTED_TYPES = gguf_blocks.FLOAT_TYPES + gguf_blocks.QUANTIZED_TYPES
