@@ -98,6 +98,7 @@ def _address(t: torch.Tensor | None) -> int | None:
 def describe(weight: object) -> tuple[step_layers.Weight, list[object]] | None:
     """A GEMM weight as the C file takes it, and what it points into (tensors, part arrays: to keep alive);
     None for a weight on no C kernel (fp32, torch's int8, a fused weight with a part on neither)."""
+    tensors: list[object]
     if isinstance(weight, BlockWeight):
         tensors = [t for t in (weight.codes, weight.scales, weight.offsets) if t is not None]
         return step_layers.Weight(step_layers.KINDS.index(weight.kind), weight.codes.data_ptr(), weight.scales.data_ptr(),
@@ -108,8 +109,9 @@ def describe(weight: object) -> tuple[step_layers.Weight, list[object]] | None:
         return step_layers.Weight(step_layers.KINDS.index(p.kind), p.codes.data_ptr(), p.d.data_ptr(), p.offset.data_ptr(),
                                   _address(p.sc), _address(p.mn), weight.out_features), tensors
     if isinstance(weight, RowsWeight):
-        parts = [describe(part) for part in weight.parts]
-        if any(part is None for part in parts):
+        described = [describe(part) for part in weight.parts]
+        parts = [part for part in described if part is not None]
+        if len(parts) < len(described):
             return None
         array = (step_layers.Weight * len(parts))(*(w for w, _ in parts))
         whole = step_layers.Weight(kind=step_layers.KINDS.index("parts"), rows=weight.out_features,
