@@ -34,8 +34,9 @@ from llmserve.catalog import model_store
 logger = structlog.get_logger(__name__)
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
+# a call to an undeclared function is an error here, not an "undefined symbol" when the library loads
 CFLAGS = ["-O3", "-march=x86-64-v3" if _X86 else "-march=native", "-fopenmp", "-fPIC", "-shared",
-          "-fno-math-errno"]
+          "-fno-math-errno", "-Werror=implicit-function-declaration"]
 # the variants of x86-64-v3, best first: each named by the /proc/cpuinfo flags it needs, and its flags.
 # On a CPU with AVX-512 (Zen 4, Ice Lake, Sapphire Rapids) the linears alone take it, in 256-bit
 # vectors (block_linear.c's AVX512_REGIONS): VNNI dot products, byte masks (a Q5 weight's fifth bits,
