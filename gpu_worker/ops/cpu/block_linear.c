@@ -360,7 +360,7 @@ static inline __m256 accumulate_bytes(__m256 acc, const BytePair *w, const int8_
 /* out[r * N + j] for `rows` (1 to ROW_TILE) input rows from `row` and `wrows` (1 to WEIGHT_TILE) weight
  * rows from the one given, both constants after inlining: their pairs as loaded (`unpacked`, row j's from
  * unpacked + j * pairs, where the caller unpacked them once for every row tile), else their codes and
- * d, loaded here (row j's P pairs after row j - 1's); `bias` the input rows' zero code bias [M, P * 8]
+ * d, loaded here (SWEEP_GROUPS then passes one weight row); `bias` the input rows' zero code bias [M, P * 8]
  * or NULL. Each output keeps its own accumulator, so its operations do not depend on the tile it falls in. */
 #define DEFINE_ROW_TILE(NAME, ROWS, PAIR_T, LOAD, ACCUMULATE, PAIR_BYTES)                               \
     static inline __attribute__((always_inline)) void NAME(ROWS q, const int32_t *bias, long row, int rows,   \
@@ -436,7 +436,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
                     const PAIR_T *w = unpack ? group_pairs + (n - n0) * pairs : NULL;                    \
                     float *o = out + (long)r * N + n;                                                    \
                     /* constant row counts per call keep the tile in registers */                        \
-                    if (WEIGHTS > 1 && unpack && n + WEIGHTS <= n1) {                                          \
+                    if (WEIGHTS > 1 && unpack && n + WEIGHTS <= n1) {                                    \
                         switch (rows) {                                                                  \
                         case 1: CALL(A, B, C, 1, WEIGHTS, w, n, r, o); break;                            \
                         case 2: CALL(A, B, C, 2, WEIGHTS, w, n, r, o); break;                            \
@@ -532,8 +532,8 @@ typedef struct {
 DEFINE_OFFSETS(half_offset_rows, add_half_offsets, HalfOffsets, HALF_OFFSETS_8, HALF_OFFSETS_1)
 
 /* x [M, K] fp32; codes [N, P * pair bytes], d [N, 2P] fp16, offsets [2P, N] fp16 (Q4_1, Q5_1) or NULL
- * (Q4_0, Q5_0, Q8_0); out [M, N] fp32. ZERO: the kind's zero code (Q4_0, Q5_0, Q8_0 with VNNI), else 0. Returns 0, or -1
- * without memory for the activation codes or a thread's unpacked pairs. */
+ * (Q4_0, Q5_0, Q8_0); out [M, N] fp32. ZERO: the kind's zero code (Q4_0, Q5_0, Q8_0 with VNNI), else 0.
+ * Returns 0, or -1 without memory for the activation codes or a thread's unpacked pairs. */
 #define DEFINE_LINEAR(NAME, TILE, ROWS, QUANTIZE, PAIR_T, LOAD, PAIR_BYTES, ZERO)                          \
     int NAME(const float *__restrict__ x, const uint8_t *__restrict__ codes, const uint16_t *__restrict__ d,   \
              const uint16_t *__restrict__ offsets, float *__restrict__ out, int M, int N, int K, int num_threads) { \

@@ -75,9 +75,6 @@ def _pad_to_pairs(t: torch.Tensor) -> torch.Tensor:
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # what `linear` takes: codes, scales, offsets
 
-OFFSET_DIM = 1  # the offsets' dimension of a weight's rows: joining weights' rows concatenates along it
-
-
 def pack_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> Packed:
     """codes [N, G, 32] in 0..15, d and m [N, G] -> (codes [N, P * 32] uint8, d [N, 2P] and m [2P, N] fp16):
     per pair, block A's 16 bytes then B's, byte j holding code j | code j+16 << 4 (a GGUF Q4_1 block's code

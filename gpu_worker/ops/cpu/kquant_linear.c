@@ -24,9 +24,9 @@
  * 8 outputs a vector: in the pair loop they cost a 4-lane fma and a load a pair and input row. Q3_K's
  * and Q6_K's start each lane's integer sum at -zero * the sum of its input codes (block_linear.c's
  * zero_code_bias, a bias a vector), so it ends at the dot product of the signed codes (code - zero).
- * Q3's third bit, Q5's fifth and Q6's top two join the low bits as bytes. Without VNNI a 16-bit lane holds 2 products of at most 63 * 127 (4 of
- * 31 * 127 for Q5_K), an int32 lane 4 or 8, so nothing saturates and the int32 -> fp32 conversion is
- * exact.
+ * Q3's third bit, Q5's fifth and Q6's top two join the low bits as bytes. Without VNNI a 16-bit lane
+ * holds 2 products of at most 63 * 127 (4 of 31 * 127 for Q5_K), an int32 lane 4 or 8, so nothing
+ * saturates and the int32 -> fp32 conversion is exact.
  *
  * Blocking, threading and the prefetch are block_linear.c's, so a row's output is the same bits
  * alone, in a decode batch or in a prefill chunk, for any thread count.
@@ -226,7 +226,7 @@ static inline RowScales row_scales(const float *d, const int8_t *sc, long n, int
             return -1;                                                                                       \
         }                                                                                                    \
         quantize_rows_8bit(x, M, K, q, num_threads);                                                         \
-        if (ZERO) zero_code_bias(q.codes, M, pairs, ZERO, 2, bias, num_threads);                                      \
+        if (ZERO) zero_code_bias(q.codes, M, pairs, ZERO, 2, bias, num_threads);                             \
         else if (sums != q.scaled_sum) sub_block_sums(q, M, pairs, sums, num_threads);                       \
         SWEEP_GROUPS(PAIR_T, SUB_PAIR, SUB_TILE, LOAD, TILE, PAIR_BYTES, WEIGHTS)                            \
         if (!ZERO && !failed) add_sub_offsets(sums, (SubOffsets){mn, dmin, S / (K / 256)}, out, M, N, S, num_threads); \
