@@ -473,7 +473,8 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
  * added as hsum adds its lanes, then the rest one at a time. The rows share each converted vector of
  * offsets; each keeps its own partial sums. The outputs past the last whole vector take the same
  * operations one at a time, so an output's sum is the same wherever it falls. ADD_OFFSETS runs it
- * over out [M, N] with S sums a row, OFFSET_ROWS rows a call. */
+ * over out [M, N] with S sums a row, OFFSET_ROWS rows a call (its case 2 never more than OFFSET_ROWS: with
+ * OFFSET_ROWS 1 it is never taken, yet an instance of 2 rows reads past `lane`, which gcc warns of). */
 #define DEFINE_OFFSETS(OFFSET_ROWS_FN, ADD_OFFSETS, OFFSETS_T, M8, M1)                                           \
     static inline __attribute__((always_inline)) void OFFSET_ROWS_FN(const float *__restrict__ ss, OFFSETS_T m,   \
                                                                      float *__restrict__ out, int rows, int N,    \
@@ -517,7 +518,7 @@ DEFINE_ROW_TILE(q5_1_tile, ByteRows, BytePair, load_q5_1, accumulate_bytes, Q5_1
             float *o = out + r * N;                                                                               \
             switch (M - r < OFFSET_ROWS ? M - r : OFFSET_ROWS) {                                                  \
             case 1: OFFSET_ROWS_FN(ss, m, o, 1, N, S); break;                                                     \
-            case 2: OFFSET_ROWS_FN(ss, m, o, 2, N, S); break;                                                     \
+            case 2: OFFSET_ROWS_FN(ss, m, o, OFFSET_ROWS < 2 ? OFFSET_ROWS : 2, N, S); break;                   \
             default: OFFSET_ROWS_FN(ss, m, o, OFFSET_ROWS, N, S);                                                 \
             }                                                                                                     \
         }                                                                                                         \

@@ -77,7 +77,10 @@ def _build(source: Path, target: Path, isa: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     compiler = os.environ.get("CC") or "cc"
-    subprocess.run([compiler, *_flags(isa), str(source), "-o", str(tmp), *LIBS], check=True, capture_output=True)
+    built = subprocess.run([compiler, *_flags(isa), str(source), "-o", str(tmp), *LIBS], check=True, capture_output=True)
+    if built.stderr:  # gcc's warnings include undefined behaviour it found (an array read past its end)
+        logger.warning("cpu kernel compiler warnings", kernel=source.stem, isa=isa,
+                       compiler_output=built.stderr.decode(errors="replace")[-2000:])
     tmp.replace(target)
 
 
