@@ -374,8 +374,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def missing_tool(args: argparse.Namespace) -> str:
+    """Why the run cannot start ('' when it can): checked before any server starts, as a missing tool
+    otherwise fails the run minutes in, after the first server's warm-up."""
+    if shutil.which(args.guidellm) is None:
+        return (f"guidellm not found ({args.guidellm}): pip install guidellm==0.8.1 (the bench extra), "
+                "or name it with --guidellm or GUIDELLM")
+    if args.llama_server and shutil.which(args.llama_server) is None:
+        return f"--llama-server {args.llama_server} is not an executable file"
+    return ""
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if problem := missing_tool(args):
+        sys.exit(f"openai_standard.py: {problem}")
     levels = [int(v) for v in args.concurrency.split(",")]
     orders = ORDERS[args.order] if args.llama_server else [["llmserve"]]
     llama = llama_build(args) if args.llama_server else None

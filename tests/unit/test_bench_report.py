@@ -113,6 +113,18 @@ def test_distinct_prompts_go_to_text_completions():
     assert built["workload"]["prompt_tokens"] == 1500
 
 
+def test_a_missing_tool_stops_the_run_before_any_server_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(openai_standard, "measure", lambda *a, **k: pytest.fail("a server was measured"))
+    with pytest.raises(SystemExit, match="guidellm not found"):
+        openai_standard.main(["--guidellm", str(tmp_path / "no-guidellm")])
+    guidellm = tmp_path / "guidellm"
+    guidellm.write_text("#!/bin/sh\n")
+    guidellm.chmod(0o755)
+    with pytest.raises(SystemExit, match="is not an executable file"):
+        openai_standard.main(["--guidellm", str(guidellm), "--llama-server", str(tmp_path / "no-llama-server")])
+    assert openai_standard.missing_tool(openai_standard.parse_args(["--guidellm", str(guidellm)])) == ""
+
+
 def test_a_run_renders_one_row_a_pass_and_level():
     text = report.render_run("20261203T080005Z-chat-p128.json", record())
     lines = text.splitlines()
