@@ -393,7 +393,7 @@ def main(argv: list[str]) -> int:
     orders = ORDERS[args.order] if args.llama_server else [["llmserve"]]
     llama = llama_build(args) if args.llama_server else None
     RESULTS.mkdir(parents=True, exist_ok=True)
-    passes = []
+    passes: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = tokenizer_dir(Path(tmp) / "tokenizer", model_store.resolve(args.model))
         for pass_number, order in enumerate(orders, 1):
