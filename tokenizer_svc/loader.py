@@ -19,8 +19,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from llmserve.catalog import gguf_file
 from llmserve.catalog.gguf_metadata import DEFAULT_CONTEXT_LENGTH, read_metadata
-from llmserve.catalog.vocabulary import Vocabulary, gguf_fields, gguf_vocabulary, hf_vocabulary, read_json
+from llmserve.catalog.vocabulary import Vocabulary, gguf_vocabulary, hf_vocabulary, read_json
 from tokenizer_svc import chat_template, tool_prompt
 from tokenizer_svc.literal import LiteralSpecials, encode_ids
 
@@ -139,7 +140,7 @@ def _model_tokenizer(vocab: Vocabulary, **model: Any) -> ModelTokenizer:
 # ---------------------------------------------------------------------------------------------- GGUF
 
 def load_gguf(path: Path) -> ModelTokenizer:
-    fields = gguf_fields(path)
+    fields = gguf_file.metadata(path)
     meta = read_metadata(fields.get)
     return _model_tokenizer(gguf_vocabulary(fields), chat_template=fields.get("tokenizer.chat_template"),
                             context_length=meta.context_length, architecture=meta.architecture,

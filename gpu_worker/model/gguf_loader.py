@@ -34,7 +34,7 @@ from gpu_worker.model.architectures import Architecture
 from gpu_worker.model.config import ModelConfig, RopeScaling
 from gpu_worker.ops.weights import gguf_blocks, gguf_weight
 from gpu_worker.ops.weights.gguf_weight import FileTensor
-from llmserve.catalog import model_store
+from llmserve.catalog import gguf_file, model_store
 from llmserve.catalog.gguf_metadata import read_metadata
 
 logger = structlog.get_logger(__name__)
@@ -226,7 +226,7 @@ def _dequantized(t, config: ModelConfig, unpermute: bool) -> torch.Tensor:
 def convert(path: Path, unpermute: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read and dequantize a whole GGUF (slow: seconds). Returns config and HF-named tensors."""
     start = time.monotonic()
-    reader = GGUFReader(str(path))
+    reader = gguf_file.open_reader(path)
     check_types(path, reader)
     config = read_config(reader, unpermute)
     named = [(n, t) for t in reader.tensors if (n := hf_name(t.name, config.architecture)) is not None]
@@ -312,7 +312,7 @@ def load_file_formats(path: Path, unpermute: bool = True
     """Config and (HF name, weight) pairs of a GGUF whose GEMM weights (and vocab head) stay in the file's
     formats, as FileTensors: no dequantized copy, no cache. Norms, biases and the embedding table (for
     the lookup) come as fp32 tensors. None where no GEMM weight of the file is quantized."""
-    reader = GGUFReader(str(path))
+    reader = gguf_file.open_reader(path)
     config = read_config(reader, unpermute)
     if not any(t.tensor_type in gguf_blocks.QUANTIZED_TYPES and len(t.shape) == 2
                and hf_name(t.name, config.architecture) is not None for t in reader.tensors):

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import structlog
 import torch
-from gguf import GGUFReader
 
 from gpu_worker.model import architectures, gguf_loader, hf_loader
 from gpu_worker.model.config import ModelConfig
@@ -16,7 +15,7 @@ from gpu_worker.model.weight_format import served_format
 from gpu_worker.ops import get_backend
 from gpu_worker.ops.backend import Backend
 from gpu_worker.ops.weights import gguf_weight, quantized_linear
-from llmserve.catalog import model_store
+from llmserve.catalog import gguf_file, model_store
 
 logger = structlog.get_logger(__name__)
 
@@ -56,7 +55,7 @@ def check_supported(spec: str | Path) -> ModelConfig:
     if hf_loader.is_hf_dir(path):
         return hf_loader.load_config(path)
     if gguf_loader.is_gguf(path):
-        return gguf_loader.read_config(GGUFReader(str(path)))
+        return gguf_loader.read_config(gguf_file.open_reader(path))
     raise architectures.refusal(path, "a path that is neither a GGUF file nor a Hugging Face directory")
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader
 
 from gpu_worker.ops.weights import gguf_weight
+from llmserve.catalog import gguf_file
 from llmserve.catalog.gguf_metadata import FILE_TYPES
 
 DENSE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -27,10 +27,10 @@ def dense_format(dtype: torch.dtype) -> str:
 
 def gguf_file_type(path: Path) -> str:
     """llama-quantize's name of a GGUF's general.file_type ("Q4_K_M"), "" where the file does not say."""
-    field = GGUFReader(str(path)).get_field("general.file_type")
-    if field is None:
+    code = gguf_file.metadata(path).get("general.file_type")
+    if code is None:
         return ""
-    code = int(field.contents())
+    code = int(code)
     return FILE_TYPES.get(code, f"file_type {code}")
 
 

@@ -18,8 +18,9 @@ CONTROL / UNKNOWN → special added token; USER_DEFINED → non-special added to
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -100,7 +101,7 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 NFC_PRES = frozenset({"qwen2", "deepseek-r1-qwen"})
 
 
-def read_vocab(fields: dict) -> GGUFVocab:
+def read_vocab(fields: Mapping[str, Any]) -> GGUFVocab:
     """The tokenizer part of GGUF metadata (`fields`: key → python value)."""
     model = fields.get("tokenizer.ggml.model")
     if model is None:

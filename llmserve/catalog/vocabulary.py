@@ -11,13 +11,14 @@ Token ids are exact: the same as the model's own tokenizer.json under `tokenizer
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
+from llmserve.catalog import gguf_file
 from llmserve.catalog.gguf_metadata import read_metadata
 from llmserve.catalog.gguf_vocab import build_tokenizer, read_vocab
 
@@ -52,21 +53,13 @@ def load_vocabulary(path: Path) -> Vocabulary:
         return hf_vocabulary(path)
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
-    return gguf_vocabulary(gguf_fields(path))
+    return gguf_vocabulary(gguf_file.metadata(path))
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
 
-def gguf_fields(path: Path) -> dict[str, Any]:
-    """The GGUF key/value metadata as python values (tensors are not read)."""
-    from gguf import GGUFReader  # heavy import; only GGUF loading needs it
-
-    reader = GGUFReader(path)
-    return {key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")}
-
-
-def gguf_vocabulary(fields: dict[str, Any]) -> Vocabulary:
-    """The vocabulary of a GGUF file's metadata (`gguf_fields`)."""
+def gguf_vocabulary(fields: Mapping[str, Any]) -> Vocabulary:
+    """The vocabulary of a GGUF file's metadata (`gguf_file.metadata`)."""
     vocab = read_vocab(fields)
     tokens = vocab.tokens
     eos_ids = read_metadata(fields.get).eos_token_ids
@@ -79,7 +72,7 @@ def gguf_vocabulary(fields: dict[str, Any]) -> Vocabulary:
     )
 
 
-def _gguf_named_tokens(fields: dict[str, Any], tokens: Sequence[str]) -> dict[str, str]:
+def _gguf_named_tokens(fields: Mapping[str, Any], tokens: Sequence[str]) -> dict[str, str]:
     named = {}
     for name, key in _GGUF_NAMED_TOKENS.items():
         value = fields.get(key)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from llmserve.catalog.vocabulary import gguf_fields
+from llmserve.catalog.gguf_file import metadata
 from tokenizer_svc.chat_template import ChatTemplateError
 from tokenizer_svc.loader import load_tokenizer
 
@@ -100,7 +100,7 @@ def _match_at(text: str, i: int, n: int) -> int:
 
 @cache
 def _reference_data(path: str) -> tuple[dict[str, int], dict[tuple[str, str], int], list[str]]:
-    fields = gguf_fields(Path(path))
+    fields = metadata(path)
     tokens = fields["tokenizer.ggml.tokens"]
     ranks = {tuple(m.split(" ", 1)): r for r, m in enumerate(fields["tokenizer.ggml.merges"])}
     specials = [t for t, k in zip(tokens, fields["tokenizer.ggml.token_type"]) if k == 3]
@@ -162,7 +162,7 @@ def _digit_split(text: str) -> list[str]:
 
 def write_hf_copy(gguf_path: Path, directory: Path) -> Path:
     """SmolLM2's tokenizer.json / tokenizer_config.json / config.json, written from the GGUF's data."""
-    fields = gguf_fields(gguf_path)
+    fields = metadata(gguf_path)
     tokens = fields["tokenizer.ggml.tokens"]
     specials = [(i, t) for i, (t, k) in enumerate(zip(tokens, fields["tokenizer.ggml.token_type"])) if k == 3]
     tokenizer_json = {
