@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
                                            prog="python -m gpu_worker", description=DESCRIPTION)
     configure_logging("gpu_worker", settings.log_level)
     try:
-        check_supported(settings.model)
+        check_supported(settings.model, load_follows=True)  # the service's load takes its GGUF reader
     except (UnsupportedModel, FileNotFoundError) as exc:  # the one line an operator needs, not a traceback
         sys.stderr.write(f"python -m gpu_worker: {exc}\n")
         return 2

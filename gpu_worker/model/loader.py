@@ -45,8 +45,10 @@ def _file_formats(path: Path, backend: Backend, dtype: torch.dtype):
     return None
 
 
-def check_supported(spec: str | Path) -> ModelConfig:
+def check_supported(spec: str | Path, load_follows: bool = False) -> ModelConfig:
     """The config of a model spec from its metadata alone (no weights read, nothing converted).
+    load_follows: a load_model of the spec comes next, and takes the GGUF reader built here
+    (llmserve/catalog/gguf_file.py: it costs seconds).
 
     Raises:
         UnsupportedModel: the worker cannot run it; str() is the one line to exit with.
@@ -55,7 +57,7 @@ def check_supported(spec: str | Path) -> ModelConfig:
     if hf_loader.is_hf_dir(path):
         return hf_loader.load_config(path)
     if gguf_loader.is_gguf(path):
-        return gguf_loader.read_config(gguf_file.open_reader(path))
+        return gguf_loader.read_config(gguf_file.open_reader(path, pass_on=load_follows))
     raise architectures.refusal(path, "a path that is neither a GGUF file nor a Hugging Face directory")
 
 
@@ -81,6 +83,7 @@ def load_model(spec: str | Path, device: str, dtype: torch.dtype | None = None, 
     backend = get_backend(device)
     file_formats = _file_formats(path, backend, dtype) if quantization == "auto" and prepack else None
     config, weights = file_formats or _source(path)
+    gguf_file.let_go(path)  # a reader check_supported passed on, where _source took the converted cache
     model = LlamaModel(config, device=device, dtype=dtype)
     model.load_weights(weights)
     model.eval()

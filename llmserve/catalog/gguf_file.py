@@ -1,14 +1,18 @@
 """A GGUF file through gguf's GGUFReader, its key/value metadata parsed at most once per process.
 
-    reader = open_reader(path)   # a new reader (tensors and all); its metadata is remembered
+    reader = open_reader(path)   # a reader (tensors and all); its metadata is remembered
     fields = metadata(path)      # {key: python value}, tensors not read; the remembered one while the file is unchanged
+    open_reader(path, pass_on=True)   # ... and the next open_reader of the unchanged file gets this reader
+    let_go(path)                 # or nobody does: a load that took another way (a converted cache)
 
 GGUFReader turns every element of every array field into a numpy view: SmolLM2's 49,152 tokens and
 48,900 merges take 3-4 s of pure Python a reader (2-core Zen 3, 2026-12-08), holding the GIL all the
 while. A worker used to build four readers of its one file: the start's model check, the weights, the
 served file type, and the grammar vocabulary; that last one ran in the background while the first
-requests did, and made their steps up to 5x slower for its 4 s. The model check and the weights still
-need a reader each (tensors); the file type and the vocabulary now read the metadata those left.
+requests did, and made their steps up to 5x slower for its 4 s. Now the model check passes its reader
+on to the weights' load, and the file type and the vocabulary read the metadata it left: one reader.
+A passed-on reader (167 MB resident for SmolLM2, most of it the fields' views) is held until that next
+open_reader takes it or `let_go` drops it: pass one on only where a load follows.
 
 A file counts as unchanged while its resolved path, inode, size and modification time are; the last
 KEEP files' metadata stays (about 10 MB for SmolLM2's vocabulary). The values are shared: read them,
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 KEEP = 2
 _lock = threading.Lock()
 _remembered: OrderedDict[tuple, Mapping[str, Any]] = OrderedDict()
+_passed_on: dict[tuple, GGUFReader] = {}
 
 
 def _identity(path: Path) -> tuple:
@@ -52,13 +57,24 @@ def _read(path: Path) -> tuple[GGUFReader, Mapping[str, Any]]:
     return reader, fields
 
 
-def open_reader(path: Path | str) -> GGUFReader:
-    """A new GGUFReader of `path`; its metadata is remembered for `metadata`.
+def open_reader(path: Path | str, pass_on: bool = False) -> GGUFReader:
+    """A GGUFReader of `path`: the one passed on for this unchanged file, else a new one (its metadata
+    remembered for `metadata`). pass_on: hold it for the next open_reader of the file (one caller).
 
     Raises:
         FileNotFoundError: no such file. ValueError: not a GGUF file.
     """
-    return _read(Path(path))[0]
+    path = Path(path)
+    identity = _identity(path)
+    with _lock:
+        reader = _passed_on.pop(identity, None)
+    if reader is None:
+        reader = _read(path)[0]
+    if pass_on:
+        with _lock:
+            _passed_on.clear()
+            _passed_on[identity] = reader
+    return reader
 
 
 def metadata(path: Path | str) -> Mapping[str, Any]:
@@ -71,3 +87,11 @@ def metadata(path: Path | str) -> Mapping[str, Any]:
     with _lock:
         fields = _remembered.get(_identity(path))
     return fields if fields is not None else _read(path)[1]
+
+
+def let_go(path: Path | str) -> None:
+    """Drop the reader passed on for `path`, if one is still held (the load took another way)."""
+    path = Path(path)
+    with _lock:
+        for identity in [i for i in _passed_on if i[0] == str(path.resolve())]:
+            del _passed_on[identity]

@@ -72,3 +72,25 @@ def test_only_the_last_files_are_kept(tmp_path, readers_built):
 def test_a_missing_file_raises(tmp_path):
     with pytest.raises(FileNotFoundError):
         gguf_file.metadata(tmp_path / "absent.gguf")
+
+
+def test_a_reader_passed_on_goes_to_the_next_opener_once(tmp_path, readers_built):
+    path = write_gguf(tmp_path / "m.gguf", block_count=2)
+    checked = gguf_file.open_reader(path, pass_on=True)
+    assert gguf_file.open_reader(path) is checked
+    assert len(readers_built) == 1
+    assert gguf_file.open_reader(path) is not checked          # handed out once, then a new one
+    assert len(readers_built) == 2
+
+
+def test_a_reader_let_go_or_of_a_changed_file_is_not_handed_out(tmp_path, readers_built):
+    path = write_gguf(tmp_path / "m.gguf", block_count=2)
+    checked = gguf_file.open_reader(path, pass_on=True)
+    gguf_file.let_go(path)
+    assert gguf_file.open_reader(path) is not checked
+    gguf_file.open_reader(path, pass_on=True)
+    write_gguf(tmp_path / "next.gguf", block_count=7)
+    os.replace(tmp_path / "next.gguf", path)
+    gguf_file.open_reader(path)
+    assert gguf_file.metadata(path)["llama.block_count"] == 7
+    assert len(readers_built) == 4
