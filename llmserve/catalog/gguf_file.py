@@ -11,8 +11,9 @@ while. A worker used to build four readers of its one file: the start's model ch
 served file type, and the grammar vocabulary; that last one ran in the background while the first
 requests did, and made their steps up to 5x slower for its 4 s. Now the model check passes its reader
 on to the weights' load, and the file type and the vocabulary read the metadata it left: one reader.
-A passed-on reader (167 MB resident for SmolLM2, most of it the fields' views) is held until that next
-open_reader takes it or `let_go` drops it: pass one on only where a load follows.
+A passed-on reader (167 MB resident for SmolLM2, most of it the fields' views) is held until the next
+open_reader (it gets the reader where its file is the same, unchanged) or `let_go`: pass one on only
+where a load follows.
 
 A file counts as unchanged while its resolved path, inode, size and modification time are; the last
 KEEP files' metadata stays (about 10 MB for SmolLM2's vocabulary). The values are shared: read them,
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 KEEP = 2
 _lock = threading.Lock()
 _remembered: OrderedDict[tuple, Mapping[str, Any]] = OrderedDict()
-_passed_on: dict[tuple, GGUFReader] = {}
+_passed_on: tuple[tuple, GGUFReader] | None = None   # (file identity, reader): one at most
 
 
 def _identity(path: Path) -> tuple:
@@ -43,10 +44,9 @@ def _identity(path: Path) -> tuple:
     return str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _read(path: Path) -> tuple[GGUFReader, Mapping[str, Any]]:
+def _read(path: Path, identity: tuple) -> tuple[GGUFReader, Mapping[str, Any]]:
     from gguf import GGUFReader  # heavy import; only GGUF loading needs it
 
-    identity = _identity(path)
     reader = GGUFReader(str(path))
     fields = MappingProxyType({key: f.contents() for key, f in reader.fields.items() if not key.startswith("GGUF.")})
     with _lock:
@@ -59,21 +59,21 @@ def _read(path: Path) -> tuple[GGUFReader, Mapping[str, Any]]:
 
 def open_reader(path: Path | str, pass_on: bool = False) -> GGUFReader:
     """A GGUFReader of `path`: the one passed on for this unchanged file, else a new one (its metadata
-    remembered for `metadata`). pass_on: hold it for the next open_reader of the file (one caller).
+    remembered for `metadata`); one passed on for another file is dropped. pass_on: hold this one for
+    the next open_reader.
 
     Raises:
         FileNotFoundError: no such file. ValueError: not a GGUF file.
     """
+    global _passed_on
     path = Path(path)
     identity = _identity(path)
     with _lock:
-        reader = _passed_on.pop(identity, None)
-    if reader is None:
-        reader = _read(path)[0]
+        held, _passed_on = _passed_on, None
+    reader = held[1] if held is not None and held[0] == identity else _read(path, identity)[0]
     if pass_on:
         with _lock:
-            _passed_on.clear()
-            _passed_on[identity] = reader
+            _passed_on = (identity, reader)
     return reader
 
 
@@ -84,14 +84,15 @@ def metadata(path: Path | str) -> Mapping[str, Any]:
         FileNotFoundError: no such file. ValueError: not a GGUF file.
     """
     path = Path(path)
+    identity = _identity(path)
     with _lock:
-        fields = _remembered.get(_identity(path))
-    return fields if fields is not None else _read(path)[1]
+        fields = _remembered.get(identity)
+    return fields if fields is not None else _read(path, identity)[1]
 
 
 def let_go(path: Path | str) -> None:
     """Drop the reader passed on for `path`, if one is still held (the load took another way)."""
-    path = Path(path)
+    global _passed_on
     with _lock:
-        for identity in [i for i in _passed_on if i[0] == str(path.resolve())]:
-            del _passed_on[identity]
+        if _passed_on is not None and _passed_on[0][0] == str(Path(path).resolve()):
+            _passed_on = None
